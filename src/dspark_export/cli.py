@@ -1,0 +1,189 @@
+"""Command line: `dspark-export build | generate | profile`.
+
+Each command parses arguments and calls one stage function; errors print one line (the full trace
+with --verbose) and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from .errors import DsparkExportError, RequestError
+
+log = logging.getLogger("dspark_export")
+
+BUILD_EXAMPLES = """examples:
+  dspark-export build --out engines/smollm2                       # the embedded default (SmolLM2-135M-Instruct)
+  dspark-export build --target ./my-llama --drafter ./dspark-ckpt --out engines/mine
+  dspark-export build --drafter untrained --max-context 4096 --out engines/smollm2-untrained
+"""
+GENERATE_EXAMPLES = """examples:
+  dspark-export generate --engine-dir engines/smollm2 --chat --prompt "What is 12*7?"
+  dspark-export generate --engine-dir engines/smollm2 --prompts-file prompts.jsonl --chat --json --policy fixed:7
+  dspark-export generate --engine-dir engines/smollm2 --prompt "Once upon" --temperature 0.8 --seed 1
+"""
+PROFILE_EXAMPLES = """examples:
+  dspark-export profile --engine-dir engines/smollm2 --context 512 --repeats 20
+"""
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {text!r}") from e
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.")
+    p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    b = sub.add_parser("build", help="export graphs, build per-bucket engines, profile SPS(B)",
+                       epilog=BUILD_EXAMPLES, formatter_class=fmt)
+    b.add_argument("--target", help="transformers folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    b.add_argument("--drafter", help="DeepSpec-format checkpoint folder, or 'untrained' (default: the shipped "
+                                     "drafter for the default target if any, else untrained)")
+    b.add_argument("--out", required=True, type=Path, help="engine directory to create")
+    b.add_argument("--max-context", type=int, default=2048, help="context capacity per request in tokens (2048)")
+    b.add_argument("--target-buckets", type=_int_list, default=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                   help="packed-token buckets B of the target engines (1,2,4,8,16,32,64,128,256)")
+    b.add_argument("--request-buckets", type=_int_list, default=(1, 2, 4, 8, 16),
+                   help="request-count buckets R of the drafter/verify engines (1,2,4,8,16)")
+    b.add_argument("--profile-context", type=int, default=128, help="past length when timing buckets (128)")
+    b.add_argument("--profile-repeats", type=int, default=10, help="timed runs per bucket (10)")
+    b.add_argument("--seed", type=int, default=0, help="seed of an untrained drafter's init (0)")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
+
+    g = sub.add_parser("generate", help="generate text with speculative decoding",
+                       epilog=GENERATE_EXAMPLES, formatter_class=fmt)
+    g.add_argument("--engine-dir", required=True, type=Path)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": "..."} per line')
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (one user turn)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (per request: [seed, index])")
+    g.add_argument("--policy", default="fixed:7", help="ar | fixed:K (default fixed:7)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
+    g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
+
+    pr = sub.add_parser("profile", help="re-measure the SPS(B) table of an engine directory",
+                        epilog=PROFILE_EXAMPLES, formatter_class=fmt)
+    pr.add_argument("--engine-dir", required=True, type=Path)
+    pr.add_argument("--context", type=int, default=128, help="past length in tokens (128)")
+    pr.add_argument("--repeats", type=int, default=10, help="timed runs per bucket (10)")
+    return p
+
+
+def _progress(msg: str, t0: float = time.perf_counter()) -> None:
+    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def cmd_build(args) -> int:
+    from .pipeline import BuildConfig, build_engine_dir
+
+    cfg = BuildConfig(out=args.out, target=args.target, drafter=args.drafter, target_buckets=args.target_buckets,
+                      request_buckets=args.request_buckets, max_context=args.max_context,
+                      profile_context=args.profile_context, profile_repeats=args.profile_repeats,
+                      seed=args.seed, overwrite=args.overwrite)
+    result = build_engine_dir(cfg, progress=_progress)
+    _progress(f"built {result.out} ({result.size_bytes / 2**20:.0f} MiB)")
+    print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,
+                      "seconds": {k: round(v, 2) for k, v in result.seconds.items()},
+                      "sps": {row["B"]: row["sps"] for row in result.profile["target"]},
+                      "warnings": result.profile["warnings"]}))
+    return 0
+
+
+def _read_prompts(path: Path) -> list[tuple[str | None, str | None]]:
+    """(prompt, error) per non-empty line; a bad line becomes an error for that prompt only."""
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except FileNotFoundError as e:
+        raise RequestError(f"{path}: prompts file not found") from e
+    except UnicodeDecodeError as e:
+        raise RequestError(f"{path}: not valid UTF-8 (byte {e.start}); expected a JSONL file") from e
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            prompt = obj["prompt"] if isinstance(obj, dict) else None
+            if not isinstance(prompt, str):
+                raise KeyError("prompt")
+            out.append((prompt, None))
+        except (json.JSONDecodeError, KeyError):
+            out.append((None, f"{path}:{n}: expected a JSON object with a string 'prompt' field"))
+    return out
+
+
+def cmd_generate(args) -> int:
+    from .runtime.api import Runtime
+    from .runtime.request import GenerationResult, SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    params.validate()
+    items = [(args.prompt, None)] if args.prompt is not None else _read_prompts(args.prompts_file)
+    _progress(f"loading {args.engine_dir}")
+    rt = Runtime.open(args.engine_dir, policy=args.policy, verify=not args.no_verify)
+    if not rt.engines.manifest.runtime.get("drafter_trained", False) and rt.policy.drafts:
+        _progress("note: this engine directory's drafter is untrained: drafts are rarely accepted")
+    _progress(f"generating {len(items)} prompt(s) with policy {rt.policy}")
+    valid = [i for i, (_, err) in enumerate(items) if err is None]
+    done = iter(rt.generate_text([items[i][0] for i in valid], params, chat=args.chat))
+    results = [next(done) if err is None else GenerationResult(finish_reason="error", error=err, text="")
+               for _, err in items]
+    for (prompt, err), r in zip(items, results):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": r.text, "token_ids": r.token_ids,
+                              "finish_reason": r.finish_reason, "error": r.error, "policy": str(rt.policy),
+                              "stats": r.stats.to_dict()}, ensure_ascii=False), flush=True)
+        elif r.error:
+            print(f"error: {r.error}", file=sys.stderr)
+        else:
+            print(r.text, flush=True)
+            s = r.stats
+            _progress(f"{s.completion_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, τ={s.acceptance_length:.2f}, "
+                      f"finish={r.finish_reason}")
+    return 1 if all(r.finish_reason == "error" for r in results) else 0
+
+
+def cmd_profile(args) -> int:
+    from .pipeline import reprofile
+
+    sps = reprofile(args.engine_dir, args.context, args.repeats, progress=_progress)
+    print(json.dumps({"context_len": sps["context_len"], "sps": {row["B"]: row["sps"] for row in sps["target"]},
+                      "warnings": sps["warnings"]}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile}[args.command](args)
+    except DsparkExportError as e:
+        if args.verbose:
+            raise
+        print(f"dspark-export {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dspark-export {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

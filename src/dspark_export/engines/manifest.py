@@ -1,0 +1,192 @@
+"""The engine directory's manifest: the embedding contract between build and run.
+
+Schema versions (bump when a field's meaning changes):
+    1: first version. Graphs under graphs/, ORT engine specs under engines/onnxruntime/, the
+       throughput profile at profile/sps.json, tokenizer files under tokenizer/. Every file is
+       listed in `files` with its size in bytes and sha256.
+
+The manifest is written last and atomically (temp file, fsync, rename): a directory without a
+valid manifest is not an engine directory, so an interrupted build never looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import EngineDirError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+REQUIRED_FIELDS = ("schema_version", "tool", "graphs", "engines", "runtime", "files")
+
+__all__ = ["Manifest", "EngineKey", "SCHEMA_VERSION", "sha256_file", "resolve_inside", "write_json_atomic"]
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """Identifies one engine: a graph specialised to one bucket on one backend.
+
+    The engine's path is derived from the key (`path`), never parsed back from a file name.
+    """
+
+    graph: str       # "target", "drafter_block", "drafter_context", "verify"
+    backend: str     # "onnxruntime" (or "tensorrt" where installed)
+    dim: str         # the bucketed dimension: "N" packed tokens, "R" requests
+    bucket: int
+
+    @property
+    def path(self) -> str:
+        return f"engines/{self.backend}/{self.graph}.{self.dim}{self.bucket}.json"
+
+    def to_dict(self) -> dict:
+        return {"graph": self.graph, "backend": self.backend, "dim": self.dim, "bucket": self.bucket}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineKey":
+        return cls(str(d["graph"]), str(d["backend"]), str(d["dim"]), int(d["bucket"]))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve_inside(root: Path, rel: str, what: str) -> Path:
+    """Resolve manifest path `rel` under `root`; refuse absolute paths and paths that escape it.
+
+    Raises:
+        EngineDirError: `rel` is absolute or resolves outside `root`.
+    """
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel):
+        raise EngineDirError(f"{root / MANIFEST_NAME}: {what}: expected a relative path inside the "
+                             f"engine directory, found {rel!r}")
+    root_r = root.resolve()
+    full = (root_r / rel).resolve()
+    if full != root_r and root_r not in full.parents:
+        raise EngineDirError(f"{root / MANIFEST_NAME}: {what}: path {rel!r} points outside the engine "
+                             f"directory {root_r}")
+    return full
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON to `path` through a temp file in the same folder, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+@dataclass
+class Manifest:
+    """In-memory manifest. `data` holds the JSON object; helpers give typed access."""
+
+    root: Path
+    data: dict = field(default_factory=dict)
+
+    # -- access ------------------------------------------------------------------------------
+    def path_of(self, rel: str, what: str = "path") -> Path:
+        return resolve_inside(self.root, rel, what)
+
+    def graph_path(self, graph: str) -> Path:
+        try:
+            rel = self.data["graphs"][graph]["path"]
+        except KeyError as e:
+            raise EngineDirError(f"{self.root / MANIFEST_NAME}: graphs.{graph}.path is missing") from e
+        return self.path_of(rel, f"graphs.{graph}.path")
+
+    def engine_keys(self, graph: str | None = None) -> list[EngineKey]:
+        keys = [EngineKey.from_dict(e["key"]) for e in self.data["engines"]]
+        return [k for k in keys if graph is None or k.graph == graph]
+
+    @property
+    def runtime(self) -> dict:
+        return self.data["runtime"]
+
+    # -- io ----------------------------------------------------------------------------------
+    def record_files(self, rel_paths: list[str]) -> None:
+        """List `rel_paths` in `files` with their size and sha256 (call before `save`)."""
+        files = self.data.setdefault("files", {})
+        for rel in sorted(set(rel_paths)):
+            full = self.path_of(rel, "files")
+            files[rel] = {"bytes": full.stat().st_size, "sha256": sha256_file(full)}
+
+    def save(self) -> Path:
+        self.data["schema_version"] = SCHEMA_VERSION
+        path = self.root / MANIFEST_NAME
+        write_json_atomic(path, self.data)
+        return path
+
+    @classmethod
+    def load(cls, root: Path, verify: bool = True) -> "Manifest":
+        """Read and validate `<root>/manifest.json`.
+
+        Args:
+            root: the engine directory.
+            verify: check every listed file's size and sha256 (defaults to True; ~1 s per GB).
+        Raises:
+            EngineDirError: no manifest, unreadable JSON, unknown schema version, missing fields,
+                a path outside the directory, or a missing/altered file.
+        """
+        root = Path(root)
+        path = root / MANIFEST_NAME
+        if not root.is_dir():
+            raise EngineDirError(f"{root}: expected an engine directory (built by `dspark-export build`), "
+                                 "found no such directory")
+        if not path.is_file():
+            raise EngineDirError(f"{path}: missing; {root} is not a complete engine directory "
+                                 "(an interrupted build leaves no manifest)")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EngineDirError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise EngineDirError(f"{path}: expected a JSON object, found {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise EngineDirError(f"{path}: schema_version: expected {SCHEMA_VERSION}, found {version!r} "
+                                 "(rebuild the engine directory with this version of dspark-export)")
+        missing = [k for k in REQUIRED_FIELDS if k not in data]
+        if missing:
+            raise EngineDirError(f"{path}: missing fields {missing}")
+        manifest = cls(root, data)
+        manifest.check_files(verify)
+        return manifest
+
+    def check_files(self, verify: bool) -> None:
+        """Every listed file exists inside the directory (and matches its size/hash when `verify`)."""
+        for rel, info in self.data["files"].items():
+            full = self.path_of(rel, "files")
+            if not full.is_file():
+                raise EngineDirError(f"{self.root}: file {rel!r} listed in the manifest is missing")
+            size = full.stat().st_size
+            if size != info.get("bytes"):
+                raise EngineDirError(f"{self.root}: file {rel!r} was altered: expected {info.get('bytes')} bytes, "
+                                     f"found {size}")
+            if verify and sha256_file(full) != info.get("sha256"):
+                raise EngineDirError(f"{self.root}: file {rel!r} was altered: sha256 does not match the manifest")
+        for section in ("graphs",):
+            for name, entry in self.data[section].items():
+                for k in ("path", "data"):
+                    if entry.get(k):
+                        self.path_of(entry[k], f"{section}.{name}.{k}")
+                        if entry[k] not in self.data["files"]:
+                            raise EngineDirError(f"{self.root}: {section}.{name}.{k} {entry[k]!r} is not "
+                                                 "listed in files (cannot be verified)")

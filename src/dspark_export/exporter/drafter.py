@@ -1,0 +1,261 @@
+"""Export a DSpark drafter (`modeling.drafter.DSparkDrafter`) to two graphs.
+
+The drafter's context K/V do not depend on the block (DeepSpec spec §5.3), so the export splits
+"context → per-layer K/V" (run once per committed row) from "block forward" (run once per step).
+
+drafter_context.onnx (N committed rows):
+
+| name | shape | dtype | meaning |
+| --- | --- | --- | --- |
+| in `aux_hidden` | [N, F] | float32 | target features of committed rows |
+| in `position_ids` | [N] | int64 | their absolute positions |
+| out `context_key.{l}` | [N, kvH, D] | float32 | RoPE(k_norm(k_proj(hidden_norm(fc(aux))))) of drafter layer l |
+| out `context_value.{l}` | [N, kvH, D] | float32 | v_proj(hidden_norm(fc(aux))) |
+
+drafter_block.onnx (R requests, γ = block size, P context cache length):
+
+| name | shape | dtype | meaning |
+| --- | --- | --- | --- |
+| in `anchor_ids` | [R] | int64 | last committed token (slot 0 input) |
+| in `start_positions` | [R] | int64 | absolute position of the anchor |
+| in `context_lens` | [R] | int64 | valid context entries (== start_positions) |
+| in `context_key.{l}` | [R, kvH, P, D] | float32 | drafter context key cache |
+| in `context_value.{l}` | [R, kvH, P, D] | float32 | drafter context value cache |
+| in `temperature` | [R] | float32 | 0 = greedy |
+| in `top_k` | [R] | int64 | 0 = off |
+| in `top_p` | [R] | float32 | 1 = off |
+| in `uniforms` | [R, γ] | float32 | one uniform in [0, 1) per draft slot |
+| in `confidence_temperature` | [γ] | float32 | STS temperature per position (ones = uncalibrated) |
+| out `draft_ids` | [R, γ] | int64 | drafted tokens |
+| out `draft_logits` | [R, γ, V] | float32 | Markov-corrected logits each draft was drawn from (before warping) |
+| out `confidence` | [R, γ] | float32 | σ(z_k / T_k), conditional acceptance probability |
+| out `hidden` | [R, γ, H] | float32 | post-final-norm block hidden states |
+
+The block is [anchor, mask × (γ-1)] at positions start..start+γ-1; it attends bidirectionally to
+itself and to all context entries (paper §3.1; DeepSpec spec §1.3-1.4). It ends in one
+`dspark::MarkovDraft` node (plugins/markov_draft).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from ..plugins.markov_draft import onnx_function as markov_fn
+from .builder import (GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
+                      swiglu_mlp, two_part_attention)
+
+__all__ = ["DrafterGraphSpec", "build_drafter_graphs", "export_drafter",
+           "drafter_context_io_contract", "drafter_block_io_contract"]
+
+TARGET_EMBED = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class DrafterGraphSpec:
+    """Static facts about exported drafter graphs, recorded in the manifest."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    feature_size: int
+    block_size: int
+    mask_token_id: int
+    markov_rank: int
+    has_confidence: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterGraphSpec":
+        return cls(**d)
+
+
+def drafter_context_io_contract(spec: DrafterGraphSpec) -> dict:
+    kv = ("N", spec.num_kv_heads, spec.head_dim)
+    outs = []
+    for layer in range(spec.num_layers):
+        outs += [(f"context_key.{layer}", kv, "float32"), (f"context_value.{layer}", kv, "float32")]
+    return {"inputs": [("aux_hidden", ("N", spec.feature_size), "float32"), ("position_ids", ("N",), "int64")],
+            "outputs": outs}
+
+
+def drafter_block_io_contract(spec: DrafterGraphSpec) -> dict:
+    kv = ("R", spec.num_kv_heads, "P", spec.head_dim)
+    g = spec.block_size
+    inputs = [("anchor_ids", ("R",), "int64"), ("start_positions", ("R",), "int64"),
+              ("context_lens", ("R",), "int64")]
+    for layer in range(spec.num_layers):
+        inputs += [(f"context_key.{layer}", kv, "float32"), (f"context_value.{layer}", kv, "float32")]
+    inputs += [("temperature", ("R",), "float32"), ("top_k", ("R",), "int64"), ("top_p", ("R",), "float32"),
+               ("uniforms", ("R", g), "float32"), ("confidence_temperature", (g,), "float32")]
+    outputs = [("draft_ids", ("R", g), "int64"), ("draft_logits", ("R", g, spec.vocab_size), "float32"),
+               ("confidence", ("R", g), "float32"), ("hidden", ("R", g, spec.hidden_size), "float32")]
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def _spec(drafter) -> DrafterGraphSpec:
+    c = drafter.config
+    return DrafterGraphSpec(
+        num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+        feature_size=c.hidden_size * len(c.target_layer_ids), block_size=c.block_size,
+        mask_token_id=c.mask_token_id, markov_rank=c.markov_rank if drafter.markov_head is not None else 0,
+        has_confidence=drafter.confidence_head is not None)
+
+
+def _embed_name(sd: dict, key: str, target_embed: np.ndarray | None) -> str:
+    """Name the frozen embedding/LM head after the target's when equal, so engines share one copy."""
+    if target_embed is not None and np.array_equal(sd[key], target_embed):
+        return TARGET_EMBED
+    return key
+
+
+def _kv_proj(b, sd, c, i: int, x: str, cos: str, sin: str, name: str) -> tuple[str, str]:
+    """Drafter layer i's K (k_norm, RoPE) and V of rows x [T, H] -> ([T, kvH, D], [T, kvH, D])."""
+    p = f"layers.{i}.self_attn"
+    out = []
+    for t in ("k", "v"):
+        y = linear(b, x, f"{p}.{t}_proj.weight", sd[f"{p}.{t}_proj.weight"], f"{name}/{t}_proj",
+                   sd.get(f"{p}.{t}_proj.bias"), f"{p}.{t}_proj.bias")
+        y = b.op("Reshape", [y, b.const([-1, c.num_key_value_heads, c.head_dim])], f"{name}/{t}_proj")
+        if t == "k":
+            if f"{p}.k_norm.weight" in sd:
+                y = rms_norm(b, y, b.weight(f"{p}.k_norm.weight", sd[f"{p}.k_norm.weight"]), c.rms_norm_eps,
+                             f"{name}/k_norm")
+            y = apply_rope(b, y, cos, sin, c.head_dim, f"{name}/k_rope")
+        out.append(y)
+    return out[0], out[1]
+
+
+def build_context_graph(drafter, rope: tuple[np.ndarray, float]) -> onnx.ModelProto:
+    """drafter_context.onnx: aux rows -> per-layer context K/V (see the module table)."""
+    c, spec = drafter.config, _spec(drafter)
+    sd = {k: v.detach().float().numpy() for k, v in drafter.state_dict().items()}
+    b = GraphBuilder("drafter_context")
+    for name, shape, dtype in drafter_context_io_contract(spec)["inputs"]:
+        b.input(name, dtype, shape)
+    h = linear(b, "aux_hidden", "fc.weight", sd["fc.weight"], "fc")
+    h = rms_norm(b, h, b.weight("hidden_norm.weight", sd["hidden_norm.weight"]), c.rms_norm_eps, "hidden_norm")
+    cos, sin = rope_cos_sin(b, "position_ids", *rope)
+    for i in range(c.num_hidden_layers):
+        k, v = _kv_proj(b, sd, c, i, h, cos, sin, f"layers.{i}/attn")
+        b.output(k, f"context_key.{i}", "float32", ["N", c.num_key_value_heads, c.head_dim])
+        b.output(v, f"context_value.{i}", "float32", ["N", c.num_key_value_heads, c.head_dim])
+    return b.model(doc="dspark-export drafter context graph")
+
+
+def _block_layer(b, sd, c, i: int, h: str, ctx: dict) -> str:
+    """One drafter layer over the flattened block rows h [R·γ, H]."""
+    name, p, eps = f"layers.{i}", f"layers.{i}.self_attn", c.rms_norm_eps
+    nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    x = rms_norm(b, h, b.weight(f"layers.{i}.input_layernorm.weight", sd[f"layers.{i}.input_layernorm.weight"]),
+                 eps, f"{name}/input_layernorm")
+    q = linear(b, x, f"{p}.q_proj.weight", sd[f"{p}.q_proj.weight"], f"{name}/attn/q_proj",
+               sd.get(f"{p}.q_proj.bias"), f"{p}.q_proj.bias")
+    q = b.op("Reshape", [q, b.const([-1, nh, d])], f"{name}/attn/q_proj")
+    if f"{p}.q_norm.weight" in sd:
+        q = rms_norm(b, q, b.weight(f"{p}.q_norm.weight", sd[f"{p}.q_norm.weight"]), eps, f"{name}/attn/q_norm")
+    q = apply_rope(b, q, ctx["cos"], ctx["sin"], d, f"{name}/attn/q_rope")
+    k, v = _kv_proj(b, sd, c, i, x, ctx["cos"], ctx["sin"], f"{name}/attn")
+    to4 = lambda t, heads: b.op("Reshape", [t, b.const([-1, c.block_size, heads, d])], f"{name}/attn/block")  # noqa: E731
+    attn = two_part_attention(b, to4(q, nh), to4(k, nkv), to4(v, nkv), f"context_key.{i}",
+                              f"context_value.{i}", "context_lens", (nh, nkv, d), False, f"{name}/attn")
+    attn = b.op("Reshape", [attn, b.const([-1, nh * d])], f"{name}/attn")
+    attn = linear(b, attn, f"{p}.o_proj.weight", sd[f"{p}.o_proj.weight"], f"{name}/attn/o_proj",
+                  sd.get(f"{p}.o_proj.bias"), f"{p}.o_proj.bias")
+    h = b.op("Add", [h, attn], f"{name}/attn_residual")
+    key = f"layers.{i}.post_attention_layernorm.weight"
+    x = rms_norm(b, h, b.weight(key, sd[key]), eps, f"{name}/post_attention_layernorm")
+    return b.op("Add", [h, swiglu_mlp(b, x, sd, f"layers.{i}.mlp", f"{name}/mlp")], f"{name}/mlp_residual")
+
+
+def _block_inputs(b: GraphBuilder, c, spec) -> tuple[str, str]:
+    """Block token ids and positions, both flattened to [R·γ]."""
+    g = c.block_size
+    for name, shape, dtype in drafter_block_io_contract(spec)["inputs"]:
+        b.input(name, dtype, shape)
+    anchor = b.op("Unsqueeze", ["anchor_ids", b.const([1])], "block_ids")
+    masks = b.op("Expand", [b.const([[c.mask_token_id]]),
+                            b.op("Concat", [b.op("Shape", ["anchor_ids"], "block_ids"), b.const([g - 1])],
+                                 "block_ids", axis=0)], "block_ids")
+    ids = b.op("Reshape", [b.op("Concat", [anchor, masks], "block_ids", axis=1), b.const([-1])], "block_ids")
+    start = b.op("Unsqueeze", ["start_positions", b.const([1])], "block_positions")
+    pos = b.op("Add", [start, b.const(np.arange(g).reshape(1, g))], "block_positions")
+    return ids, b.op("Reshape", [pos, b.const([-1])], "block_positions")
+
+
+def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.ndarray | None) -> onnx.ModelProto:
+    """drafter_block.onnx: anchors + context cache -> drafts, draft logits, confidence."""
+    c, spec = drafter.config, _spec(drafter)
+    sd = {k: v.detach().float().numpy() for k, v in drafter.state_dict().items()}
+    b = GraphBuilder("drafter_block")
+    ids, pos = _block_inputs(b, c, spec)
+    embed = b.weight(_embed_name(sd, "embed_tokens.weight", target_embed), sd["embed_tokens.weight"])
+    h = b.op("Gather", [embed, ids], "embed_tokens", axis=0)
+    cos, sin = rope_cos_sin(b, pos, *rope)
+    for i in range(c.num_hidden_layers):
+        h = _block_layer(b, sd, c, i, h, {"cos": cos, "sin": sin})
+    h = rms_norm(b, h, b.weight("norm.weight", sd["norm.weight"]), c.rms_norm_eps, "norm")
+    head = b.weight(_embed_name(sd, "lm_head.weight", target_embed), sd["lm_head.weight"])
+    logits = b.op("Gemm", [h, head], "lm_head", transB=1)
+    hidden3 = b.op("Reshape", [h, b.const([-1, c.block_size, c.hidden_size])], "hidden")
+    logits3 = b.op("Reshape", [logits, b.const([-1, c.block_size, c.vocab_size])], "base_logits")
+    op_inputs = [logits3, hidden3, "anchor_ids", "temperature", "top_k", "top_p", "uniforms",
+                 "confidence_temperature"]
+    op_inputs += _head_weights(b, sd, spec)
+    outs = [f"/drafter_block/markov_draft/{n}" for n in ("draft_ids", "draft_logits", "confidence")]
+    config = dict(block_size=c.block_size, has_markov=spec.markov_rank > 0, has_confidence=spec.has_confidence)
+    b.add_function(markov_fn.make_function(**config))
+    b.nodes.append(markov_fn.make_node(op_inputs, outs, "/drafter_block/markov_draft/MarkovDraft", **config))
+    for (name, shape, dtype), value in zip(drafter_block_io_contract(spec)["outputs"], outs + [hidden3]):
+        b.output(value, name, dtype, shape)
+    return b.model(doc="dspark-export drafter block graph")
+
+
+def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec) -> list[str]:
+    """MarkovDraft's optional weight inputs, in schema order ('' for an absent optional input)."""
+    names = []
+    if spec.markov_rank > 0:
+        names.append(b.weight("markov_head.markov_w1.weight", sd["markov_head.markov_w1.weight"]))
+        # nn.Linear(r, V) stores W2 as [V, r], the op's layout.
+        names.append(b.weight("markov_head.markov_w2.weight", sd["markov_head.markov_w2.weight"]))
+    else:
+        names += ["", ""]
+    if spec.has_confidence:
+        names.append(b.weight("confidence_head.proj.weight", sd["confidence_head.proj.weight"].reshape(-1)))
+        names.append(b.weight("confidence_head.proj.bias", sd["confidence_head.proj.bias"].reshape(1)))
+    else:
+        names += ["", ""]
+    while names and names[-1] == "":
+        names.pop()
+    return names
+
+
+def build_drafter_graphs(drafter, rope, target_embed=None):
+    """Returns (context ModelProto, block ModelProto, DrafterGraphSpec)."""
+    with torch.no_grad():
+        return build_context_graph(drafter, rope), build_block_graph(drafter, rope, target_embed), _spec(drafter)
+
+
+def export_drafter(drafter, rope, out_dir: Path, target_embed=None) -> tuple[list[Path], DrafterGraphSpec]:
+    """Write drafter_context.onnx and drafter_block.onnx (+ .data) into `out_dir`.
+
+    Args:
+        drafter: a `DSparkDrafter`.
+        rope: (inv_freq [D/2] float32, attention_scaling) of the target (the drafter shares its RoPE).
+        target_embed: the target's embedding matrix [V, H]; equal drafter embeddings/LM heads are
+            named after it so engines hold one copy.
+    """
+    ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed)
+    out_dir = Path(out_dir)
+    files = save_model(ctx, out_dir / "drafter_context.onnx") + save_model(block, out_dir / "drafter_block.onnx")
+    return files, spec

@@ -1,0 +1,98 @@
+"""What `build` loads: the target and the drafter that fits it, resolved from CLI-level choices."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import load_drafter
+from .config import DrafterConfig
+from .drafter import DSparkDrafter, init_drafter
+from .target import TargetModel, default_target_path, load_target
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BuildInputs", "load_build_inputs", "shipped_drafter_path"]
+
+UNTRAINED = "untrained"
+
+
+@dataclass
+class BuildInputs:
+    """The loaded target and drafter plus provenance for the manifest."""
+
+    target: TargetModel
+    drafter: DSparkDrafter
+    target_source: dict
+    drafter_source: dict
+
+    @property
+    def target_model(self) -> Any:
+        return self.target.model
+
+    @property
+    def rope(self) -> tuple[np.ndarray, float]:
+        """(inv_freq [D/2] float32, attention_scaling) shared by target and drafter."""
+        return self.drafter.inv_freq.detach().float().numpy(), float(self.drafter.attention_scaling)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.target.eos_token_ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.target.tokenizer, "chat_template", None))
+
+    def save_tokenizer(self, path: Path) -> None:
+        if self.target.tokenizer is None:
+            from ..errors import CheckpointError
+            raise CheckpointError(f"target {self.target.source}: has no tokenizer files; an engine directory "
+                                  "needs one to encode prompts")
+        self.target.tokenizer.save_pretrained(str(path))
+
+
+def shipped_drafter_path(target_source: str) -> Path | None:
+    """The drafter this package ships for the embedded default target, if any (issue: trained drafter)."""
+    root = resources.files("dspark_export") / "assets" / "drafters" / "smollm2-135m-instruct"
+    path = Path(str(root))
+    return path if (path / "config.json").is_file() else None
+
+
+def load_build_inputs(target: str | None, drafter: str | None, *, block_size: int = 7, num_draft_layers: int = 1,
+                      markov_rank: int = 64, seed: int = 0) -> BuildInputs:
+    """Load the target (None = embedded default) and the drafter.
+
+    Args:
+        target: transformers folder or .gguf file; None = SmolLM2-135M-Instruct (fetched and converted once).
+        drafter: DeepSpec-format folder, "untrained", or None (shipped drafter for the default target,
+            else untrained).
+        block_size, num_draft_layers, markov_rank, seed: a fresh drafter's shape and init seed.
+    Raises:
+        CheckpointError / ConfigError: from loading; messages name the path and the mismatch.
+    """
+    is_default = target is None
+    target_path = default_target_path() if is_default else Path(target)
+    tgt = load_target(target_path)
+    target_source = {"path": str(target_path), "model_type": tgt.model_type,
+                     "embedded_default": is_default, "num_layers": tgt.num_layers}
+    if drafter is None:
+        shipped = shipped_drafter_path(str(target_path)) if is_default else None
+        drafter = str(shipped) if shipped else UNTRAINED
+    if drafter == UNTRAINED:
+        cfg = DrafterConfig.from_target(tgt.config, num_draft_layers=num_draft_layers, block_size=block_size,
+                                        markov_rank=markov_rank, eos_token_ids=tgt.eos_token_ids)
+        model = init_drafter(tgt, cfg, seed=seed)
+        log.warning("drafter: untrained (fresh init, seed %d): speculative output stays exact, but few drafts "
+                    "will be accepted", seed)
+        source = {"kind": UNTRAINED, "seed": seed, "is_trained": False}
+    else:
+        model = load_drafter(drafter, tgt)
+        source = {"kind": "checkpoint", "path": str(drafter), "is_trained": bool(model.config.is_trained)}
+    source.update(num_layers=model.config.num_hidden_layers, block_size=model.config.block_size,
+                  markov_rank=model.config.markov_rank, target_layer_ids=list(model.config.target_layer_ids))
+    return BuildInputs(tgt, model.eval(), target_source, source)

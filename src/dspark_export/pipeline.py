@@ -1,0 +1,236 @@
+"""`dspark-export build`: load → export → engines → profile → manifest, into one engine directory.
+
+The directory is assembled in a sibling temp folder (`.<name>.partial-*`) and renamed into place
+only after the manifest, written last, is complete: an interrupted or failed build never leaves a
+directory that loads as complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import __version__
+from .engines.engine_set import EngineSet
+from .engines.manifest import EngineKey, Manifest, write_json_atomic
+from .engines.onnxruntime import engine_spec
+from .engines.profiler import measure_profile
+from .errors import BuildError, ConfigError
+from .exporter.drafter import export_drafter
+from .exporter.target import export_target
+from .exporter.verify import export_verify
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BuildConfig", "BuildResult", "build_engine_dir"]
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """What `build` makes. CLI flags map one-to-one onto these fields.
+
+    Attributes:
+        out: the engine directory to create.
+        target: transformers folder or .gguf file; None = the embedded default (SmolLM2-135M-Instruct).
+        drafter: DeepSpec-format checkpoint folder, "untrained" (fresh, seeded), or None (the drafter
+            shipped for the default target when there is one, else untrained).
+        target_buckets: engine buckets of packed target tokens B (verification and prefill chunks).
+        request_buckets: engine buckets of requests per step R (drafter block, verification op).
+        max_context: context capacity per request, in tokens.
+        profile_context: past length used when timing the buckets, in tokens.
+        profile_repeats: timed runs per bucket.
+        block_size, num_draft_layers, markov_rank: shape of a fresh (untrained) drafter.
+        seed: seed of a fresh drafter's initialisation.
+        overwrite: replace an existing engine directory at `out`.
+    """
+
+    out: Path
+    target: str | None = None
+    drafter: str | None = None
+    target_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    request_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    max_context: int = 2048
+    profile_context: int = 128
+    profile_repeats: int = 10
+    block_size: int = 7
+    num_draft_layers: int = 1
+    markov_rank: int = 64
+    seed: int = 0
+    overwrite: bool = False
+
+    def __post_init__(self):
+        for name in ("target_buckets", "request_buckets"):
+            b = getattr(self, name)
+            if not b or any(int(x) < 1 for x in b) or list(b) != sorted(set(b)):
+                raise ConfigError(f"{name}: expected strictly increasing positive integers, found {list(b)}")
+        if self.max_context < 16:
+            raise ConfigError(f"max_context: expected >= 16 tokens, found {self.max_context}")
+        if self.target_buckets[-1] < self.block_size + 1:
+            raise ConfigError(f"target_buckets: the largest bucket must hold one verification of "
+                              f"block_size+1 = {self.block_size + 1} tokens, found {self.target_buckets[-1]}")
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    manifest_path: Path
+    seconds: dict = field(default_factory=dict)
+    profile: dict = field(default_factory=dict)
+    size_bytes: int = 0
+
+
+def build_engine_dir(cfg: BuildConfig, progress: Progress | None = None) -> BuildResult:
+    """Build the engine directory described by `cfg`.
+
+    Raises:
+        BuildError: `out` exists (without overwrite) or a stage failed; nothing is left at `out`.
+        ConfigError / CheckpointError: the target or drafter is not usable (named in the message).
+    """
+    say = progress or (lambda msg: log.info(msg))
+    out = Path(cfg.out)
+    if out.exists() and not cfg.overwrite:
+        raise BuildError(f"{out}: already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        result = _build_into(cfg, tmp, say)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.out, result.manifest_path = out, out / "manifest.json"
+    return result
+
+
+def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
+    from .modeling.loading import load_build_inputs
+
+    seconds, t0 = {}, time.perf_counter()
+    say("loading target and drafter")
+    inputs = load_build_inputs(cfg.target, cfg.drafter, block_size=cfg.block_size,
+                               num_draft_layers=cfg.num_draft_layers, markov_rank=cfg.markov_rank, seed=cfg.seed)
+    seconds["load"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    say("exporting graphs")
+    graphs = _export_graphs(inputs, root / "graphs")
+    seconds["export"] = time.perf_counter() - t0
+    manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
+    _write_engines(manifest, cfg)
+    inputs.save_tokenizer(root / "tokenizer")
+    manifest.record_files(_all_files(root))  # before profiling: EngineSet verifies what it loads
+    t0 = time.perf_counter()
+    engines = EngineSet(manifest)
+    profile = measure_profile(engines, cfg.profile_context, repeats=cfg.profile_repeats,
+                              progress=lambda label: say(f"profiling {label}"))
+    del engines
+    write_json_atomic(root / "profile" / "sps.json", profile)
+    seconds["profile"] = time.perf_counter() - t0
+    for w in profile["warnings"]:
+        log.warning("throughput profile: %s", w)
+    manifest.data["profile"] = {"path": "profile/sps.json", "context_len": cfg.profile_context,
+                                "warnings": profile["warnings"]}
+    manifest.data["build"] = {"seconds": {k: round(v, 2) for k, v in seconds.items()}}
+    manifest.data["files"] = {}
+    manifest.record_files(_all_files(root))
+    manifest.save()
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    return BuildResult(root, root / "manifest.json", seconds, profile, size)
+
+
+def _export_graphs(inputs, graph_dir: Path) -> dict:
+    graph_dir.mkdir(parents=True, exist_ok=True)
+    t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
+                                    graph_dir / "target.onnx")
+    embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
+    d_files, d_spec = export_drafter(inputs.drafter, inputs.rope, graph_dir, target_embed=embed)
+    v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
+    rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731
+    entry = lambda files, spec: {"path": rel(files[0]), "data": rel(files[1]) if len(files) > 1 else None,  # noqa: E731
+                                 "spec": spec}
+    return {
+        "target": entry(t_files, t_spec.to_dict()),
+        "drafter_context": entry([f for f in d_files if "drafter_context" in f.name], d_spec.to_dict()),
+        "drafter_block": entry([f for f in d_files if "drafter_block" in f.name], d_spec.to_dict()),
+        "verify": entry(v_files, {"block_size": d_spec.block_size}),
+    }
+
+
+def _write_engines(manifest: Manifest, cfg: BuildConfig) -> None:
+    plan = [("target", "N", cfg.target_buckets), ("drafter_context", "N", cfg.target_buckets),
+            ("drafter_block", "R", cfg.request_buckets), ("verify", "R", cfg.request_buckets)]
+    engines = []
+    for graph, dim, buckets in plan:
+        for b in buckets:
+            key = EngineKey(graph, "onnxruntime", dim, int(b))
+            write_json_atomic(manifest.root / key.path, engine_spec(key, manifest.data["graphs"][graph]["path"]))
+            engines.append({"key": key.to_dict(), "path": key.path})
+    manifest.data["engines"] = engines
+
+
+def _manifest_data(cfg: BuildConfig, inputs, graphs: dict) -> dict:
+    import onnx
+    import onnxruntime
+    import torch
+    import transformers
+
+    d = inputs.drafter.config
+    return {
+        "schema_version": 1,
+        "tool": {"name": "dspark-export", "version": __version__},
+        "created_unix": int(time.time()),
+        "versions": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "numpy": np.__version__,
+                     "python": platform.python_version()},
+        "source": {"target": inputs.target_source, "drafter": inputs.drafter_source},
+        "plugins": {"dspark::MarkovDraft": 1, "dspark::SpeculativeVerify": 1},
+        "graphs": graphs,
+        "buckets": {"target_tokens": list(cfg.target_buckets), "requests": list(cfg.request_buckets)},
+        "runtime": {
+            "block_size": d.block_size, "max_context": cfg.max_context, "vocab_size": d.vocab_size,
+            "eos_token_ids": sorted(inputs.eos_token_ids), "mask_token_id": d.mask_token_id,
+            "target_layer_ids": list(d.target_layer_ids), "confidence_temperature": [1.0] * d.block_size,
+            "drafter_trained": bool(inputs.drafter_source.get("is_trained", False)),
+            "sampling_defaults": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 128},
+            "chat_template": inputs.has_chat_template,
+        },
+        "build_config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "engines": [],
+        "files": {},
+    }
+
+
+def _all_files(root: Path) -> list[str]:
+    return [p.relative_to(root).as_posix() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")]
+
+
+def reprofile(engine_dir: Path, context_len: int, repeats: int, progress: Progress | None = None) -> dict:
+    """Re-measure profile/sps.json of an existing engine directory and re-seal its manifest.
+
+    Raises:
+        EngineDirError: the directory is incomplete or altered (checked before anything is written).
+    """
+    manifest = Manifest.load(Path(engine_dir), verify=True)
+    engines = EngineSet(manifest)
+    profile = measure_profile(engines, context_len, repeats=repeats, progress=progress)
+    del engines
+    write_json_atomic(manifest.root / "profile" / "sps.json", profile)
+    manifest.data["profile"] = {"path": "profile/sps.json", "context_len": context_len,
+                                "warnings": profile["warnings"]}
+    manifest.data["files"] = {}
+    manifest.record_files(_all_files(manifest.root))
+    manifest.save()
+    return profile

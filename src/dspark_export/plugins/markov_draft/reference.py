@@ -1,0 +1,141 @@
+"""Numpy reference of ``dspark::MarkovDraft``: the spec the ONNX function is held to.
+
+Paper §3.1 (Eq. 5, 7); DeepSpec ``VanillaMarkov.sample_block_tokens`` and ``AcceptRatePredictor``
+(deepspec_reference.md §1.6, §1.7, §2.4). Pure: no globals, no RNG (the uniforms are inputs), inputs
+never modified. Greedy is the temperature-0 case of the same code (``warp_probs`` gives a one-hot).
+Dimension letters: R requests, γ draft slots, V vocab, H hidden size, r Markov rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from dspark_export.errors import PluginError
+from dspark_export.plugins.common import SamplingParams, check_sampling_values, sample_from_probs, warp_probs
+from dspark_export.plugins.markov_draft.schema import SCHEMA
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkovDraftWeights:
+    """The optional weight inputs; leave a pair as None when the drafter has no such head.
+
+    Attributes:
+        markov_w1: [V, r] float32 or None.
+        markov_w2: [V, r] float32 or None.
+        confidence_weight: [H+r] float32 (length H without Markov weights) or None.
+        confidence_bias: [1] float32 or None.
+    """
+
+    markov_w1: np.ndarray | None = None
+    markov_w2: np.ndarray | None = None
+    confidence_weight: np.ndarray | None = None
+    confidence_bias: np.ndarray | None = None
+
+
+class MarkovDraftOutputs(NamedTuple):
+    """draft_ids: [R, γ] int64; draft_logits: [R, γ, V] float32 (before warping); confidence: [R, γ] float32."""
+
+    draft_ids: np.ndarray
+    draft_logits: np.ndarray
+    confidence: np.ndarray
+
+
+def markov_draft(
+    base_logits: np.ndarray,
+    hidden: np.ndarray,
+    anchor_ids: np.ndarray,
+    sampling: SamplingParams,
+    uniforms: np.ndarray,
+    confidence_temperature: np.ndarray,
+    weights: MarkovDraftWeights = MarkovDraftWeights(),
+) -> MarkovDraftOutputs:
+    """Draft γ tokens left to right, each conditioned on the one before (anchor for slot 0).
+
+    Args:
+        base_logits: [R, γ, V] float32, drafter LM-head logits U_k.
+        hidden: [R, γ, H] float32, post-final-norm drafter hidden h_k.
+        anchor_ids: [R] int64, last committed token x_{-1}.
+        sampling: temperature/top_k/top_p, each [R] (see ``SamplingParams``).
+        uniforms: [R, γ] float32 in [0, 1), one per slot.
+        confidence_temperature: [γ] float32, STS temperature per slot.
+        weights: the optional Markov and confidence weights.
+
+    Returns:
+        ``MarkovDraftOutputs`` (draft_ids, draft_logits, confidence).
+
+    Raises:
+        PluginError: an input breaks the schema (shape, dtype, value range, a half-given weight pair).
+    """
+    feeds = _feeds(base_logits, hidden, anchor_ids, sampling, uniforms, confidence_temperature, weights)
+    _check(feeds, sampling, uniforms)
+    w1, w2 = weights.markov_w1, weights.markov_w2
+    has_markov = w1 is not None
+    ids, logits, prev = [], [], anchor_ids
+    for k in range(base_logits.shape[1]):
+        logits_k = base_logits[:, k] + (w1[prev] @ w2.T if has_markov else np.float32(0))
+        ids_k = sample_from_probs(warp_probs(logits_k, *sampling.as_tuple()), uniforms[:, k])
+        ids.append(ids_k)
+        logits.append(logits_k)
+        prev = ids_k
+    draft_ids = np.stack(ids, axis=1)
+    prev_ids = np.concatenate([anchor_ids[:, None], draft_ids[:, :-1]], axis=1)
+    confidence = _confidence(hidden, prev_ids, confidence_temperature, weights)
+    return MarkovDraftOutputs(draft_ids, np.stack(logits, axis=1).astype(np.float32), confidence)
+
+
+def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``markov_draft`` over a feed keyed by the schema's input names (absent optional inputs omitted).
+
+    Returns:
+        {"draft_ids": [R, γ] int64, "draft_logits": [R, γ, V] float32, "confidence": [R, γ] float32}.
+    """
+    SCHEMA.check_inputs(feeds, _preset_dims(feeds))
+    sampling = SamplingParams(feeds["temperature"], feeds["top_k"], feeds["top_p"])
+    weights = MarkovDraftWeights(*(feeds.get(name) for name in SCHEMA.optional_input_names))
+    outputs = markov_draft(
+        feeds["base_logits"], feeds["hidden"], feeds["anchor_ids"], sampling, feeds["uniforms"],
+        feeds["confidence_temperature"], weights,
+    )
+    return outputs._asdict()
+
+
+def _confidence(
+    hidden: np.ndarray, prev_ids: np.ndarray, confidence_temperature: np.ndarray, weights: MarkovDraftWeights
+) -> np.ndarray:
+    """σ(([h_k ; W1[x_{k-1}]]·w + b) / T_k): [R, γ] float32; ones without confidence weights."""
+    if weights.confidence_weight is None:
+        return np.ones(prev_ids.shape, np.float32)
+    features = hidden
+    if weights.markov_w1 is not None:
+        features = np.concatenate([hidden, weights.markov_w1[prev_ids]], axis=-1)
+    logit = (features @ weights.confidence_weight + weights.confidence_bias) / confidence_temperature
+    return (1 / (1 + np.exp(-logit))).astype(np.float32)
+
+
+def _feeds(base_logits, hidden, anchor_ids, sampling, uniforms, confidence_temperature, weights) -> dict:
+    named = dict(zip(("base_logits", "hidden", "anchor_ids", "uniforms", "confidence_temperature"),
+                     (base_logits, hidden, anchor_ids, uniforms, confidence_temperature)))
+    named.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    named.update(dataclasses.asdict(weights))
+    return named
+
+
+def _preset_dims(feeds: Mapping[str, np.ndarray | None]) -> dict[str, int]:
+    """Without Markov weights the confidence input is h_k alone: r = 0."""
+    return {} if feeds.get("markov_w1") is not None else {"r": 0}
+
+
+def _check(feeds: dict, sampling: SamplingParams, uniforms: np.ndarray) -> None:
+    for pair in (("markov_w1", "markov_w2"), ("confidence_weight", "confidence_bias")):
+        if (feeds[pair[0]] is None) != (feeds[pair[1]] is None):
+            raise PluginError(f"{SCHEMA.qualified_name}: give both or neither of {pair}, found only one")
+    dims = SCHEMA.check_inputs(feeds, _preset_dims(feeds))
+    check_sampling_values(SCHEMA.qualified_name, sampling, uniforms)
+    anchors = feeds["anchor_ids"]
+    if np.any((anchors < 0) | (anchors >= dims["V"])):
+        raise PluginError(f"{SCHEMA.qualified_name} input 'anchor_ids': expected ids in [0, V={dims['V']}), "
+                          f"found {anchors[(anchors < 0) | (anchors >= dims['V'])][:4].tolist()}")

@@ -1,0 +1,112 @@
+"""``dspark::MarkovDraft`` (version 1): the single source of truth of its contract.
+
+The sequential stage of DSpark (paper §3.1, Eq. 5 and 7; DeepSpec ``markov_head.py`` and
+``AcceptRatePredictor``, deepspec_reference.md §1.6, §1.7, §2.4). Left to right over the γ slots,
+``L_k = U_k + W2·W1[x_{k-1}]`` (x_{-1} = anchor), ``x_k = sample(warp(L_k), u_k)`` and
+``conf_k = σ(([h_k ; W1[x_{k-1}]]·w + b) / T_k)``. Without Markov weights the bias is 0 and the
+confidence input is h_k alone (r = 0); without confidence weights the confidence is 1.
+
+| name | shape | dtype | meaning |
+| --- | --- | --- | --- |
+| in `base_logits` | [R, γ, V] | float32 | drafter LM-head logits U_k of each slot |
+| in `hidden` | [R, γ, H] | float32 | post-final-norm drafter hidden h_k of each slot |
+| in `anchor_ids` | [R] | int64 | last committed token (x_{-1}) |
+| in `temperature` | [R] | float32 | 0 = greedy |
+| in `top_k` | [R] | int64 | 0 = off |
+| in `top_p` | [R] | float32 | 1 = off |
+| in `uniforms` | [R, γ] | float32 | one uniform in [0, 1) per draft slot |
+| in `confidence_temperature` | [γ] | float32 | STS temperature T_k per slot (ones when uncalibrated) |
+| in `markov_w1` (optional) | [V, r] | float32 | Markov embedding W1 |
+| in `markov_w2` (optional) | [V, r] | float32 | Markov output projection W2 (nn.Linear(r, V) weight) |
+| in `confidence_weight` (optional) | [H+r] | float32 | confidence head weight w (length H without Markov weights) |
+| in `confidence_bias` (optional) | [1] | float32 | confidence head bias b |
+| out `draft_ids` | [R, γ] | int64 | drafted tokens x_k |
+| out `draft_logits` | [R, γ, V] | float32 | Markov-corrected logits L_k each draft was drawn from (before warping) |
+| out `confidence` | [R, γ] | float32 | calibrated conditional acceptance probability σ(z_k / T_k) |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from dspark_export.errors import PluginError
+from dspark_export.plugins.common import DOMAIN, OPSET_VERSION
+from dspark_export.plugins.contract import OpSchema, TensorSpec
+
+F32, I64 = np.float32, np.int64
+
+SCHEMA = OpSchema(
+    op_type="MarkovDraft",
+    domain=DOMAIN,
+    version=OPSET_VERSION,
+    inputs=(
+        TensorSpec("base_logits", ("R", "γ", "V"), F32, "drafter LM-head logits U_k of each slot"),
+        TensorSpec("hidden", ("R", "γ", "H"), F32, "post-final-norm drafter hidden h_k of each slot"),
+        TensorSpec("anchor_ids", ("R",), I64, "last committed token (x_{-1})"),
+        TensorSpec("temperature", ("R",), F32, "0 = greedy"),
+        TensorSpec("top_k", ("R",), I64, "0 = off"),
+        TensorSpec("top_p", ("R",), F32, "1 = off"),
+        TensorSpec("uniforms", ("R", "γ"), F32, "one uniform in [0, 1) per draft slot"),
+        TensorSpec("confidence_temperature", ("γ",), F32, "STS temperature T_k per slot (ones when uncalibrated)"),
+        TensorSpec("markov_w1", ("V", "r"), F32, "Markov embedding W1", optional=True),
+        TensorSpec("markov_w2", ("V", "r"), F32, "Markov output projection W2 (nn.Linear(r, V) weight)", optional=True),
+        TensorSpec("confidence_weight", ("H+r",), F32,
+                   "confidence head weight w (length H without Markov weights)", optional=True),
+        TensorSpec("confidence_bias", ("1",), F32, "confidence head bias b", optional=True),
+    ),
+    outputs=(
+        TensorSpec("draft_ids", ("R", "γ"), I64, "drafted tokens x_k"),
+        TensorSpec("draft_logits", ("R", "γ", "V"), F32,
+                   "Markov-corrected logits L_k each draft was drawn from (before warping)"),
+        TensorSpec("confidence", ("R", "γ"), F32, "calibrated conditional acceptance probability σ(z_k / T_k)"),
+    ),
+    doc=__doc__.split("\n\n")[1],
+)
+
+MARKOV_INPUTS = ("markov_w1", "markov_w2")
+CONFIDENCE_INPUTS = ("confidence_weight", "confidence_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkovDraftConfig:
+    """Static configuration of a MarkovDraft node; the ONNX function body depends on it.
+
+    Attributes:
+        block_size: γ, the number of draft slots (unrolled in the ONNX function), ≥ 1.
+        has_markov: whether ``markov_w1``/``markov_w2`` are inputs (False: DFlash-style, no bias).
+        has_confidence: whether ``confidence_weight``/``confidence_bias`` are inputs (False: confidence 1).
+    """
+
+    block_size: int
+    has_markov: bool
+    has_confidence: bool
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise PluginError(f"MarkovDraft block_size: expected an int >= 1, found {self.block_size!r}")
+        for name in ("has_markov", "has_confidence"):
+            if not isinstance(getattr(self, name), bool):
+                raise PluginError(f"MarkovDraft {name}: expected a bool, found {getattr(self, name)!r}")
+
+    @property
+    def overload(self) -> str:
+        """Function overload tag, e.g. ``"g7_markov_conf"``: distinct configurations coexist in one model."""
+        parts = [f"g{self.block_size}"] + ["markov"] * self.has_markov + ["conf"] * self.has_confidence
+        return "_".join(parts)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, object]) -> MarkovDraftConfig:
+        """Build from keyword configuration; raises PluginError for missing or unknown keys."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        if sorted(config) != sorted(names):
+            raise PluginError(f"{SCHEMA.qualified_name} configuration: expected keys {names}, found {sorted(config)}")
+        return cls(**config)
+
+    @property
+    def present_inputs(self) -> tuple[str, ...]:
+        """Schema inputs this configuration feeds, in schema order."""
+        absent = set(() if self.has_markov else MARKOV_INPUTS) | set(() if self.has_confidence else CONFIDENCE_INPUTS)
+        return tuple(name for name in SCHEMA.input_names if name not in absent)

@@ -1,0 +1,69 @@
+"""``OP_REGISTRY``: each ``dspark`` op's schema, numpy reference and ONNX function, by op type.
+
+A reference runner executes a whole exported graph on CPU by looking custom nodes up here
+(Polygraphy's pluginref idea); ``graph.make_op_model`` builds single-op models from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+
+from dspark_export.errors import PluginError
+from dspark_export.plugins.contract import OpSchema
+from dspark_export.plugins.markov_draft import onnx_function as markov_draft_onnx
+from dspark_export.plugins.markov_draft import reference as markov_draft_reference
+from dspark_export.plugins.markov_draft.schema import SCHEMA as MARKOV_DRAFT_SCHEMA
+from dspark_export.plugins.markov_draft.schema import MarkovDraftConfig
+from dspark_export.plugins.speculative_verify import onnx_function as verify_onnx
+from dspark_export.plugins.speculative_verify import reference as verify_reference
+from dspark_export.plugins.speculative_verify.schema import SCHEMA as VERIFY_SCHEMA
+
+
+@dataclasses.dataclass(frozen=True)
+class OpEntry:
+    """Everything the package knows about one op.
+
+    Attributes:
+        schema: the op's contract.
+        reference: feeds keyed by input name → outputs keyed by output name (numpy).
+        make_function: static configuration → FunctionProto.
+        make_node: (inputs, outputs, name, **configuration) → NodeProto.
+        present_inputs: static configuration (a mapping) → the input names a node of it feeds, in schema order.
+    """
+
+    schema: OpSchema
+    reference: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+    make_function: Callable[..., onnx.FunctionProto]
+    make_node: Callable[..., onnx.NodeProto]
+    present_inputs: Callable[[Mapping[str, object]], tuple[str, ...]]
+
+
+def _markov_draft_inputs(config: Mapping[str, object]) -> tuple[str, ...]:
+    return MarkovDraftConfig.from_dict(config).present_inputs
+
+
+def _verify_inputs(config: Mapping[str, object]) -> tuple[str, ...]:
+    verify_onnx.check_no_config(config)
+    return VERIFY_SCHEMA.input_names
+
+
+OP_REGISTRY: dict[str, OpEntry] = {
+    "MarkovDraft": OpEntry(
+        MARKOV_DRAFT_SCHEMA, markov_draft_reference.run, markov_draft_onnx.make_function, markov_draft_onnx.make_node,
+        _markov_draft_inputs,
+    ),
+    "SpeculativeVerify": OpEntry(
+        VERIFY_SCHEMA, verify_reference.run, verify_onnx.make_function, verify_onnx.make_node, _verify_inputs,
+    ),
+}
+
+
+def get_op(op_type: str) -> OpEntry:
+    """The registry entry of ``op_type``; raises PluginError for an unknown op."""
+    if op_type not in OP_REGISTRY:
+        raise PluginError(f"unknown dspark op {op_type!r}; available: {sorted(OP_REGISTRY)}")
+    return OP_REGISTRY[op_type]

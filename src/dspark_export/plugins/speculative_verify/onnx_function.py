@@ -1,0 +1,153 @@
+"""``dspark::SpeculativeVerify`` as an ONNX function of standard ops (opset 21), so ONNX Runtime runs it unaided.
+
+I/O contract: the table in ``speculative_verify/schema.py``. Vectorised over [R, γ+1]; R, γ, V and M
+are all dynamic, so one body (no overload) serves every configuration. Greedy rows take the argmax
+path through ``Where``; sampled rows use the warped target p and draft q.
+
+    rows [R, γ+1]  = Min(query_start[:-1, None] + j, query_start[:-1] + verify_lens)
+    p = warp(Gather(target_logits, rows)) [R, γ+1, V]       q = warp(draft_logits) [R, γ, V]
+    accepted [R, γ] = Where(greedy, x_j == ArgMax(target row j), u_j·q_j(x_j) < p_j(x_j)) ∧ j < verify_lens
+    num_accepted   = ReduceSum(CumSum(¬accepted) == 0)
+    next_ids       = Where(greedy, ArgMax(target row a), sample(residual or p_a, u_γ))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from dspark_export.errors import PluginError
+from dspark_export.plugins.common import DOMAIN
+from dspark_export.plugins.onnx_builder import NodeBuilder, make_function as _make_function
+from dspark_export.plugins.onnx_sampling import emit_sample, emit_warp_probs, unsqueeze_last
+from dspark_export.plugins.speculative_verify.schema import SCHEMA
+
+F32, I64 = np.float32, np.int64
+
+
+def make_function(**static_config) -> onnx.FunctionProto:
+    """The function body; it takes no configuration (every dimension is dynamic).
+
+    Returns:
+        FunctionProto ``dspark.SpeculativeVerify``; formal inputs and outputs are the schema's names.
+
+    Raises:
+        PluginError: any configuration is given.
+    """
+    check_no_config(static_config)
+    b = NodeBuilder("/SpeculativeVerify/")
+    dims = _emit_dims(b)
+    target_logits = b.op("Gather", "target_logits", _emit_rows(b, dims), axis=0)  # [R, γ+1, V]
+    target_probs = _emit_warp(b, target_logits, dims, dims["gamma_plus_1"])
+    draft_probs = _emit_warp(b, "draft_logits", dims, dims["gamma"])
+    is_verified = b.op("Less", b.op("Range", b.const(0, I64), dims["gamma_scalar"], b.const(1, I64)),
+                       unsqueeze_last(b, "verify_lens"))  # [R, γ]
+    draft_ids = b.op("Where", is_verified, "draft_ids", b.const(0, I64))  # unverified slots may hold placeholders
+    target_argmax = b.op("ArgMax", target_logits, axis=-1, keepdims=0)  # [R, γ+1]
+    is_accepted = _emit_acceptance(b, dims, target_probs, draft_probs, draft_ids, target_argmax)
+    is_accepted = b.op("And", is_accepted, is_verified)
+    rejected_so_far = b.op("CumSum", b.op("Cast", b.op("Not", is_accepted), to=TensorProto.INT64), b.const(1, I64))
+    run = b.op("Cast", b.op("Equal", rejected_so_far, b.const(0, I64)), to=TensorProto.INT64)
+    num_accepted = b.op_into("num_accepted", "ReduceSum", run, b.const([1], I64), keepdims=0)
+    sampled = _emit_next_sample(b, dims, target_probs, draft_probs, num_accepted)
+    greedy = b.op("GatherElements", target_argmax, unsqueeze_last(b, num_accepted), axis=1)
+    greedy = b.op("Squeeze", greedy, b.const([1], I64))
+    is_greedy = b.op("LessOrEqual", "temperature", b.const(0, F32))
+    b.op_into("next_ids", "Where", is_greedy, greedy, sampled)
+    return _make_function(SCHEMA.op_type, SCHEMA.input_names, SCHEMA.output_names, b, SCHEMA.doc)
+
+
+def make_node(inputs: Sequence[str], outputs: Sequence[str], name: str, **config) -> onnx.NodeProto:
+    """A ``dspark::SpeculativeVerify`` node.
+
+    Args:
+        inputs: the nine input value names in schema order (none is optional).
+        outputs: the two output value names (num_accepted, next_ids).
+        name: node name, e.g. ``/verify/SpeculativeVerify``.
+
+    Raises:
+        PluginError: a configuration is given, or the wrong number of (or empty) inputs or outputs.
+    """
+    check_no_config(config)
+    if len(inputs) != len(SCHEMA.inputs) or len(outputs) != len(SCHEMA.outputs) or not all(inputs):
+        raise PluginError(f"{SCHEMA.qualified_name} node {name!r}: expected {len(SCHEMA.inputs)} non-empty inputs "
+                          f"{list(SCHEMA.input_names)} and {len(SCHEMA.outputs)} outputs, found {list(inputs)} "
+                          f"and {list(outputs)}")
+    return helper.make_node(SCHEMA.op_type, list(inputs), list(outputs), name=name, domain=DOMAIN)
+
+
+def _emit_dims(b: NodeBuilder) -> dict[str, str]:
+    """Shape values: R, γ and γ+1 as [1] int64, γ as a scalar, V as [1] int64."""
+    gamma = b.op("Shape", "draft_ids", start=1, end=2)
+    return {
+        "R": b.op("Shape", "draft_ids", start=0, end=1),
+        "gamma": gamma,
+        "gamma_scalar": b.op("Squeeze", gamma, b.const([0], I64)),
+        "gamma_plus_1": b.op("Add", gamma, b.const([1], I64)),
+        "V": b.op("Shape", "draft_logits", start=2, end=3),
+    }
+
+
+def _emit_rows(b: NodeBuilder, dims: dict[str, str]) -> str:
+    """rows [R, γ+1] int64: each request's target rows, past its width repeating its last row."""
+    starts = b.op("Slice", "query_start", b.const([0], I64), b.const([-1], I64), b.const([0], I64))  # [R]
+    offsets = b.op("Range", b.const(0, I64), b.op("Squeeze", dims["gamma_plus_1"], b.const([0], I64)), b.const(1, I64))
+    rows = b.op("Add", unsqueeze_last(b, starts), offsets)
+    return b.op("Min", rows, unsqueeze_last(b, b.op("Add", starts, "verify_lens")))
+
+
+def _emit_warp(b: NodeBuilder, logits: str, dims: dict[str, str], width: str) -> str:
+    """warp_probs of logits [R, width, V] with each request's parameters repeated over width."""
+    flat_shape = b.op("Concat", b.const([-1], I64), dims["V"], axis=0)
+    row_shape = b.op("Concat", dims["R"], width, axis=0)
+    params = [
+        b.op("Reshape", b.op("Expand", unsqueeze_last(b, name), row_shape), b.const([-1], I64))
+        for name in ("temperature", "top_k", "top_p")
+    ]
+    probs = emit_warp_probs(b, b.op("Reshape", logits, flat_shape), *params)
+    return b.op("Reshape", probs, b.op("Concat", row_shape, dims["V"], axis=0))
+
+
+def _emit_acceptance(b, dims, target_probs: str, draft_probs: str, draft_ids: str, target_argmax: str) -> str:
+    """[R, γ] bool before the verify_lens mask: greedy x == argmax p, else u·q(x) < p(x)."""
+    gamma_end = dims["gamma"]
+    zero, axis1 = b.const([0], I64), b.const([1], I64)
+    target_draft_rows = b.op("Slice", target_probs, zero, gamma_end, axis1)  # [R, γ, V]
+    index = unsqueeze_last(b, draft_ids)
+    target_at = b.op("Squeeze", b.op("GatherElements", target_draft_rows, index, axis=2), b.const([2], I64))
+    draft_at = b.op("Squeeze", b.op("GatherElements", draft_probs, index, axis=2), b.const([2], I64))
+    uniforms = b.op("Slice", "uniforms", zero, gamma_end, axis1)
+    sampled = b.op("Less", b.op("Mul", uniforms, draft_at), target_at)
+    greedy = b.op("Equal", draft_ids, b.op("Slice", target_argmax, zero, gamma_end, axis1))
+    is_greedy = unsqueeze_last(b, b.op("LessOrEqual", "temperature", b.const(0, F32)))
+    # ORT has no bool Where kernel: select with And/Or.
+    return b.op("Or", b.op("And", is_greedy, greedy), b.op("And", b.op("Not", is_greedy), sampled))
+
+
+def _emit_next_sample(b, dims, target_probs: str, draft_probs: str, num_accepted: str) -> str:
+    """next_ids of sampled rows [R] int64: residual max(p_a − q_a, 0) when rejected (p_a if all zero), else p_a."""
+    target_flat = b.op("Reshape", target_probs, b.op("Concat", b.const([-1], I64), dims["V"], axis=0))
+    draft_flat = b.op("Reshape", draft_probs, b.op("Concat", b.const([-1], I64), dims["V"], axis=0))
+    request = b.op("Range", b.const(0, I64), b.op("Squeeze", dims["R"], b.const([0], I64)), b.const(1, I64))
+    target_row = b.op("Add", b.op("Mul", request, dims["gamma_plus_1"]), num_accepted)
+    last_slot = b.op("Sub", dims["gamma"], b.const([1], I64))
+    draft_row = b.op("Add", b.op("Mul", request, dims["gamma"]), b.op("Min", num_accepted, last_slot))
+    p_next = b.op("Gather", target_flat, target_row, axis=0)  # [R, V]
+    q_next = b.op("Gather", draft_flat, draft_row, axis=0)  # [R, V]
+    residual = b.op("Relu", b.op("Sub", p_next, q_next))
+    has_residual = b.op("Greater", b.op("ReduceSum", residual, b.const([1], I64), keepdims=0), b.const(0, F32))
+    use_residual = b.op("And", b.op("Less", num_accepted, "verify_lens"), has_residual)
+    probs = b.op("Where", unsqueeze_last(b, use_residual), residual, p_next)
+    uniform = b.op("Squeeze", b.op("Slice", "uniforms", b.const([-1], I64), b.const([np.iinfo(np.int64).max], I64),
+                                   b.const([1], I64)), b.const([1], I64))
+    return emit_sample(b, probs, uniform)
+
+
+def check_no_config(config: Mapping[str, object]) -> None:
+    """SpeculativeVerify has no static configuration; raise PluginError for any key."""
+    if config:
+        raise PluginError(f"{SCHEMA.qualified_name} takes no static configuration (every dimension is dynamic), "
+                          f"found {sorted(config)}")

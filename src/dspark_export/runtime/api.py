@@ -1,0 +1,99 @@
+"""Text-level Python API over an engine directory.
+
+    from dspark_export.runtime.api import Runtime
+    rt = Runtime.open("engines/smollm2", policy="fixed:7")
+    [result] = rt.generate_text(["What is 2+3?"], chat=True, params=SamplingParams(max_new_tokens=64))
+    print(result.text, result.stats.acceptance_length)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from ..engines.engine_set import EngineSet
+from ..errors import EngineDirError, RequestError
+from .generator import Generator
+from .policies import Policy, parse_policy
+from .request import GenerationResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    """Engines + tokenizer + policy. Load once, generate many times.
+
+    Args:
+        engines (EngineSet): activated engines.
+        tokenizer: a transformers tokenizer (from the engine directory's tokenizer/ folder).
+        policy (Policy): verification policy.
+    """
+
+    def __init__(self, engines: EngineSet, tokenizer, policy: Policy):
+        self.engines, self.tokenizer, self.policy = engines, tokenizer, policy
+        self.generator = Generator(engines, policy)
+
+    @classmethod
+    def open(cls, engine_dir: str | Path, policy: str | Policy = "fixed:7", verify: bool = True,
+             threads: int = 0) -> "Runtime":
+        """Load and check an engine directory, activate all its engines, load its tokenizer.
+
+        Raises:
+            EngineDirError: missing/altered files, bad manifest, unreadable graphs or tokenizer.
+            RequestError: unknown policy.
+        """
+        pol = policy if isinstance(policy, Policy) else parse_policy(policy)
+        engines = EngineSet.open(Path(engine_dir), verify=verify, threads=threads).activate_all()
+        return cls(engines, _load_tokenizer(engines), pol)
+
+    def set_policy(self, policy: str | Policy) -> None:
+        self.policy = policy if isinstance(policy, Policy) else parse_policy(policy)
+        self.generator = Generator(self.engines, self.policy)
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        """Token ids of `prompt`; with `chat`, the tokenizer's chat template, one user turn, with the
+        generation prompt (no special tokens added on top; DeepSpec spec §5.2 pitfall 13)."""
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError("chat: this engine directory's tokenizer has no chat template")
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def generate_ids(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+        return self.generator.generate(prompts, params)
+
+    def generate_text(self, prompts: list[str], params: SamplingParams | list[SamplingParams],
+                      chat: bool = False) -> list[GenerationResult]:
+        """Encode, generate, decode. A prompt that cannot be encoded fails alone."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids, errors = [], {}
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self.encode(p, chat))
+            except RequestError as e:
+                ids.append([])
+                errors[i] = str(e)
+        t0 = time.perf_counter()
+        results = self.generate_ids(ids, params_list)
+        log.debug("generated %d requests in %.2f s", len(prompts), time.perf_counter() - t0)
+        for i, r in enumerate(results):
+            if i in errors:
+                r.finish_reason, r.error, r.token_ids = "error", errors[i], []
+            r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True) if r.token_ids else ""
+        return results
+
+
+def _load_tokenizer(engines: EngineSet):
+    from transformers import AutoTokenizer
+
+    tok = engines.manifest.data.get("tokenizer", {}).get("path", "tokenizer")
+    path = engines.manifest.path_of(tok, "tokenizer.path")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise EngineDirError(f"{path}: could not load the tokenizer ({e})") from e

@@ -1,0 +1,92 @@
+"""Slot-based KV caches for the target and the drafter context, held host-side in numpy.
+
+Layout per layer: keys and values [S, kvH, C, D] float32 (S slots, C capacity). The engines read
+the whole buffer (zero-copy into ONNX Runtime) and mask entries ≥ `lens[slot]`, so a step writes
+only its new rows: `append` is O(rows), never O(context). Capacity grows by doubling up to
+`max_capacity` (amortised O(1) per token), so attention reads at most 2× the live context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Per-slot key/value cache.
+
+    Args:
+        num_layers (int): L.
+        num_slots (int): S, the request slots of the batch.
+        num_kv_heads (int): kvH.
+        head_dim (int): D.
+        max_capacity (int): the most entries one slot may hold (the engine's context capacity).
+        initial_capacity (int): starting C. Defaults to 256.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 max_capacity: int, initial_capacity: int = 256):
+        self.num_layers, self.num_slots = num_layers, num_slots
+        self.num_kv_heads, self.head_dim, self.max_capacity = num_kv_heads, head_dim, max_capacity
+        self.lens = np.zeros(num_slots, np.int64)
+        self.capacity = 0
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self._allocate(min(initial_capacity, max_capacity))
+
+    def _allocate(self, capacity: int) -> None:
+        shape = (self.num_slots, self.num_kv_heads, capacity, self.head_dim)
+        old_k, old_v, old_c = self.keys, self.values, self.capacity
+        self.keys = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
+        self.values = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
+        for layer in range(len(old_k)):
+            self.keys[layer][:, :, :old_c] = old_k[layer]
+            self.values[layer][:, :, :old_c] = old_v[layer]
+        self.capacity = capacity
+
+    def reserve(self, needed: int) -> None:
+        """Make room for `needed` entries in some slot (doubling). Raises ValueError past max_capacity."""
+        if needed > self.max_capacity:
+            raise ValueError(f"KV cache: {needed} entries exceed the capacity {self.max_capacity}")
+        if needed > self.capacity:
+            self._allocate(min(self.max_capacity, max(needed, 2 * self.capacity)))
+
+    def append(self, slots: np.ndarray, new_keys: list[np.ndarray], new_values: list[np.ndarray],
+               rows: np.ndarray | None = None) -> None:
+        """Write new entries at the end of their slots, in order.
+
+        Args:
+            slots: [n] int64, the slot of each new entry (a slot's entries appear in position order).
+            new_keys, new_values: per layer [N, kvH, D] float32 (an engine's packed output).
+            rows: [n] int64, which of the N rows to write; defaults to all rows (n == N).
+        """
+        slots = np.asarray(slots, np.int64)
+        if slots.size == 0:
+            return
+        counts = np.bincount(slots, minlength=self.num_slots)
+        # entry i of slot s goes to lens[s] + (its rank among slot s's entries)
+        order = np.argsort(slots, kind="stable")
+        rank = np.empty_like(slots)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        rank[order] = np.arange(slots.size) - np.repeat(starts, counts)
+        positions = self.lens[slots] + rank
+        self.reserve(int(positions.max()) + 1)
+        for layer in range(self.num_layers):
+            k, v = new_keys[layer], new_values[layer]
+            if rows is not None:
+                k, v = k[rows], v[rows]
+            self.keys[layer][slots, :, positions] = k
+            self.values[layer][slots, :, positions] = v
+        self.lens += counts
+
+    def reset(self, slot: int) -> None:
+        self.lens[slot] = 0
+
+    def feed(self, key_name: str, value_name: str) -> dict[str, np.ndarray]:
+        """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed."""
+        feed = {}
+        for layer in range(self.num_layers):
+            feed[f"{key_name}.{layer}"] = self.keys[layer]
+            feed[f"{value_name}.{layer}"] = self.values[layer]
+        return feed

@@ -1,0 +1,86 @@
+"""Requests, sampling parameters, results and per-request statistics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import RequestError
+
+__all__ = ["SamplingParams", "RequestStats", "GenerationResult", "MAX_NEW_TOKENS_LIMIT"]
+
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings.
+
+    Attributes:
+        max_new_tokens: generated tokens at most (exactly this many unless a stop id comes first).
+        temperature: 0 = greedy; otherwise softmax(logits / temperature).
+        top_k: keep the k most likely tokens; 0 = off.
+        top_p: nucleus mass in (0, 1]; 1 = off.
+        seed: seeds this request's uniforms (np.random.default_rng([seed, index])); None = random.
+        stop_token_ids: extra stop ids on top of the engine's EOS ids.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        """Raises RequestError naming the bad field, expected vs found."""
+        if not isinstance(self.max_new_tokens, (int, np.integer)) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise RequestError(f"max_new_tokens: expected an integer in [1, {MAX_NEW_TOKENS_LIMIT}], "
+                               f"found {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature: expected a finite value >= 0, found {self.temperature!r}")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise RequestError(f"top_k: expected an integer >= 0 (0 = off), found {self.top_k!r}")
+        if not (0 < self.top_p <= 1):
+            raise RequestError(f"top_p: expected a value in (0, 1], found {self.top_p!r}")
+
+
+@dataclass
+class RequestStats:
+    """Counters of one request. `acceptance_length` is τ: mean tokens committed per verification
+    round, the bonus/recovered token included (DeepSpec spec §4.1)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    committed_in_rounds: int = 0
+    draft_tokens: int = 0        # drafts sent to verification
+    accepted_tokens: int = 0     # drafts accepted
+    wall_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.committed_in_rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_length=round(self.acceptance_length, 4), tokens_per_s=round(self.tokens_per_s, 3),
+                 wall_s=round(self.wall_s, 4))
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """Outcome of one request: generated ids only (stop token included when it ended the request)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"   # "stop" | "length" | "capacity" | "error"
+    error: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    text: str | None = None

@@ -1,0 +1,85 @@
+"""Session-scoped tiny random models (no downloads). See tests/models/registry.py for what exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+TINY_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=4,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+
+def make_tiny_target(model_type: str, seed: int = 0):
+    """A tiny random transformers causal LM (fp32, eval mode) of the given ``model_type``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    extra = {"rope_theta": 10000.0}
+    config = AutoConfig.for_model(model_type, **TINY_DIMS, tie_word_embeddings=False, **extra)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is small; widen the weights so logits have real spread (near-ties are rare).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny_target("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    return make_tiny_target("qwen3", seed=1)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def tiny_target(request):
+    return make_tiny_target(request.param, seed=2)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer(vocab_size: int = 256):
+    """A character-level fast tokenizer over `vocab_size` ids (0 unk, 1 bos, 2 eos = <|im_end|>, 3 <|im_start|>)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = specials + chars
+    vocab += [f"<extra_{i}>" for i in range(vocab_size - len(vocab))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|im_(start|end)\|>|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A saved tiny Llama target folder (config.json, model.safetensors, tokenizer with chat template)."""
+    path = tmp_path_factory.mktemp("tiny_llama_target")
+    model = make_tiny_target("llama", seed=3)
+    model.save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path

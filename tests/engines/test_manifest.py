@@ -1,0 +1,69 @@
+import json
+
+import pytest
+
+from dspark_export.engines.manifest import EngineKey, Manifest
+from dspark_export.errors import EngineDirError
+
+
+def _make(tmp_path):
+    (tmp_path / "graphs").mkdir()
+    (tmp_path / "graphs" / "g.onnx").write_bytes(b"graph")
+    m = Manifest(tmp_path, {"schema_version": 1, "tool": {}, "graphs": {"target": {"path": "graphs/g.onnx"}},
+                            "engines": [{"key": EngineKey("target", "onnxruntime", "N", 8).to_dict(),
+                                         "path": "engines/onnxruntime/target.N8.json"}],
+                            "runtime": {}, "files": {}})
+    m.record_files(["graphs/g.onnx"])
+    m.save()
+    return m
+
+
+def test_round_trip(tmp_path):
+    m = _make(tmp_path)
+    loaded = Manifest.load(tmp_path)
+    assert loaded.data == m.data
+    assert loaded.engine_keys() == [EngineKey("target", "onnxruntime", "N", 8)]
+    assert loaded.engine_keys()[0].path == "engines/onnxruntime/target.N8.json"
+
+
+def test_missing_and_altered_files(tmp_path):
+    _make(tmp_path)
+    (tmp_path / "graphs" / "g.onnx").write_bytes(b"grapH")
+    with pytest.raises(EngineDirError, match="altered: sha256"):
+        Manifest.load(tmp_path)
+    (tmp_path / "graphs" / "g.onnx").write_bytes(b"longer graph")
+    with pytest.raises(EngineDirError, match="expected 5 bytes"):
+        Manifest.load(tmp_path)
+    (tmp_path / "graphs" / "g.onnx").unlink()
+    with pytest.raises(EngineDirError, match="is missing"):
+        Manifest.load(tmp_path)
+
+
+@pytest.mark.parametrize("bad", ["../outside.onnx", "/etc/passwd", "graphs/../../x"])
+def test_paths_outside_the_directory(tmp_path, bad):
+    _make(tmp_path)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    data["graphs"]["target"]["path"] = bad
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(EngineDirError, match="outside|relative path"):
+        Manifest.load(tmp_path)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d.update(schema_version=99), "schema_version: expected 1, found 99"),
+    (lambda d: d.pop("runtime"), r"missing fields \['runtime'\]"),
+])
+def test_bad_manifest_fields(tmp_path, edit, match):
+    _make(tmp_path)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    edit(data)
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(EngineDirError, match=match):
+        Manifest.load(tmp_path)
+
+
+def test_no_manifest_is_not_an_engine_dir(tmp_path):
+    with pytest.raises(EngineDirError, match="manifest.json: missing"):
+        Manifest.load(tmp_path)
+    with pytest.raises(EngineDirError, match="no such directory"):
+        Manifest.load(tmp_path / "nope")

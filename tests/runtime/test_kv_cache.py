@@ -1,0 +1,37 @@
+import numpy as np
+import pytest
+
+from dspark_export.runtime.kv_cache import KVCache
+
+
+def _rows(n, layers=2, heads=2, dim=3, offset=0.0):
+    k = [np.arange(n * heads * dim, dtype=np.float32).reshape(n, heads, dim) + offset + 100 * l for l in range(layers)]
+    return k, [x + 0.5 for x in k]
+
+
+def test_append_writes_rows_in_slot_order():
+    cache = KVCache(2, 3, 2, 3, max_capacity=64, initial_capacity=4)
+    k, v = _rows(5)
+    slots = np.array([2, 0, 0, 2, 2])
+    cache.append(slots, k, v)
+    assert cache.lens.tolist() == [2, 0, 3]
+    np.testing.assert_array_equal(cache.keys[1][0, :, :2], k[1][[1, 2]].transpose(1, 0, 2))
+    np.testing.assert_array_equal(cache.values[0][2, :, :3], v[0][[0, 3, 4]].transpose(1, 0, 2))
+
+
+def test_append_selected_rows_and_growth_keeps_contents():
+    cache = KVCache(1, 2, 2, 3, max_capacity=64, initial_capacity=2)
+    k, v = _rows(6, layers=1)
+    cache.append(np.array([0, 0]), k, v, rows=np.array([4, 5]))
+    before = cache.keys[0][0, :, :2].copy()
+    cache.append(np.array([0, 0, 0]), k, v, rows=np.array([0, 1, 2]))  # grows 2 -> 5 entries
+    assert cache.capacity >= 5 and cache.lens.tolist() == [5, 0]
+    np.testing.assert_array_equal(cache.keys[0][0, :, :2], before)
+    np.testing.assert_array_equal(cache.keys[0][0, :, 2:5], k[0][:3].transpose(1, 0, 2))
+
+
+def test_capacity_limit():
+    cache = KVCache(1, 1, 1, 1, max_capacity=4, initial_capacity=2)
+    k, v = _rows(5, layers=1, heads=1, dim=1)
+    with pytest.raises(ValueError, match="capacity 4"):
+        cache.append(np.zeros(5, np.int64), k, v)

@@ -1,0 +1,167 @@
+"""End to end on a tiny random Llama: build an engine directory, then generate through it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from dspark_export.cli import main as cli_main
+from dspark_export.engines.manifest import Manifest
+from dspark_export.errors import BuildError, EngineDirError
+from dspark_export.pipeline import BuildConfig, build_engine_dir
+from dspark_export.runtime.api import Runtime
+from dspark_export.runtime.generator import Generator
+from dspark_export.runtime.policies import parse_policy
+from dspark_export.runtime.request import SamplingParams
+
+BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4), max_context=96,
+               profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engines") / "tiny"
+    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runtime(engine_dir):
+    return Runtime.open(engine_dir, policy="ar")
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19, 20, 21]]
+
+
+def _run(rt, policy, prompts=PROMPTS, **kw):
+    rt.set_policy(policy)
+    params = [SamplingParams(max_new_tokens=kw.pop("max_new_tokens", 24), **kw) for _ in prompts]
+    return rt.generate_ids(prompts, params)
+
+
+def test_engine_directory_contents(engine_dir):
+    m = Manifest.load(engine_dir)
+    assert set(m.data["graphs"]) == {"target", "drafter_context", "drafter_block", "verify"}
+    assert {k.bucket for k in m.engine_keys("target")} == set(BUCKETS["target_buckets"])
+    sps = json.loads((engine_dir / "profile" / "sps.json").read_text())
+    assert [row["B"] for row in sps["target"]] == list(BUCKETS["target_buckets"])
+    assert all(row["p10_ms"] <= row["median_ms"] <= row["p90_ms"] for row in sps["target"])
+    assert m.runtime["drafter_trained"] is False
+    assert not list(engine_dir.parent.glob(".tiny.partial-*"))
+
+
+def test_greedy_fixed_equals_ar_and_batch_equals_solo(runtime):
+    ar = _run(runtime, "ar")
+    spec = _run(runtime, "fixed:4")
+    for a, s in zip(ar, spec):
+        assert a.finish_reason in ("length", "stop") and a.token_ids == s.token_ids
+        assert s.stats.rounds == len(s.token_ids) - 1 - s.stats.accepted_tokens or s.finish_reason == "stop"
+    assert sum(len(r.token_ids) for r in ar) > 40
+    solo = [_run(runtime, "fixed:3", [p])[0] for p in PROMPTS]
+    assert [r.token_ids for r in solo] == [r.token_ids for r in ar]
+    assert all(len(r.token_ids) == 24 or r.finish_reason == "stop" for r in ar)
+
+
+def test_oracle_drafts_exercise_acceptance(runtime, monkeypatch):
+    """Drafts that copy the AR continuation for a varying prefix: none, some and all accepted,
+    and the output stays identical to AR (target KV and drafter context commit exactly a+1 rows)."""
+    ar = {tuple(p): r.token_ids for p, r in zip(PROMPTS, _run(runtime, "ar", max_new_tokens=30))}
+    original = Generator._draft
+    calls = {"n": 0}
+
+    def oracle(self, active):
+        out = original(self, active)
+        ids = out["draft_ids"].copy()
+        for s in active:
+            future = ar[tuple(s.prompt.tolist())][len(s.result.token_ids):]
+            good = calls["n"] % (self.block_size + 1)  # 0..γ correct drafts, then a wrong one
+            for k in range(self.block_size):
+                if k < good and k < len(future):
+                    ids[s.slot, k] = future[k]
+                elif k < len(future):
+                    ids[s.slot, k] = (future[k] + 1) % self.vocab_size
+            calls["n"] += 1
+        logits = np.full(out["draft_logits"].shape, -30.0, np.float32)
+        np.put_along_axis(logits, ids[..., None], 30.0, axis=-1)
+        return {**out, "draft_ids": ids, "draft_logits": logits}
+
+    monkeypatch.setattr(Generator, "_draft", oracle)
+    spec = _run(runtime, "fixed:4", max_new_tokens=30)
+    for p, r in zip(PROMPTS, spec):
+        assert r.token_ids == ar[tuple(p)]
+    assert max(r.stats.acceptance_length for r in spec) > 1.5
+    assert sum(r.stats.accepted_tokens for r in spec) > 0
+
+
+def test_seeded_sampling_is_reproducible(runtime):
+    a = _run(runtime, "fixed:4", temperature=0.9, seed=7)
+    b = _run(runtime, "fixed:4", temperature=0.9, seed=7)
+    c = _run(runtime, "fixed:4", temperature=0.9, seed=8)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+
+
+def test_bad_request_fails_alone(runtime):
+    prompts = [[5, 6, 7], [1] * 200, [], [9, 9, 300]]
+    res = _run(runtime, "fixed:4", prompts)
+    assert res[0].finish_reason == "length" and len(res[0].token_ids) == 24
+    assert res[1].finish_reason == "error" and "capacity 96" in res[1].error
+    assert res[2].finish_reason == "error" and "empty prompt" in res[2].error
+    assert res[3].finish_reason == "error" and "[0, 256)" in res[3].error
+
+
+def test_generation_stops_at_capacity(runtime):
+    [r] = _run(runtime, "fixed:4", [[5] * 80], max_new_tokens=50)
+    assert r.finish_reason in ("capacity", "stop")
+    assert r.finish_reason == "stop" or 80 + len(r.token_ids) == 96 + 1
+
+
+def test_altered_engine_file_is_refused(engine_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(engine_dir, copy)
+    spec = next((copy / "engines" / "onnxruntime").glob("target.N8.json"))
+    spec.write_text(spec.read_text().replace('"N": 8', '"N": 9'))
+    with pytest.raises(EngineDirError, match="target.N8.json"):
+        Runtime.open(copy)
+
+
+def test_failed_build_leaves_nothing(tiny_target_dir, tmp_path, monkeypatch):
+    import dspark_export.pipeline as pipeline
+
+    def boom(*a, **k):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(pipeline, "measure_profile", boom)
+    out = tmp_path / "eng"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    out.mkdir()
+    with pytest.raises(BuildError, match="already exists"):
+        build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), **BUCKETS))
+
+
+def test_cli_generate_json(engine_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi 2+3?"}\nnot json\n{"prompt": "x' + "y" * 300 + '"}\n{"prompt": "ok"}\n')
+    rc = cli_main(["generate", "--engine-dir", str(engine_dir), "--prompts-file", str(prompts), "--chat",
+                   "--json", "--max-new-tokens", "8", "--policy", "fixed:4"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and len(rows) == 4
+    assert [r["finish_reason"] for r in rows][1:3] == ["error", "error"]
+    assert "p.jsonl:2" in rows[1]["error"] and "capacity" in rows[2]["error"]
+    for r in (rows[0], rows[3]):
+        assert len(r["token_ids"]) == 8 or r["finish_reason"] == "stop"
+        assert {"prompt_tokens", "completion_tokens", "rounds", "acceptance_length", "wall_s",
+                "tokens_per_s"} <= set(r["stats"])
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    rc = cli_main(["generate", "--engine-dir", str(tmp_path / "missing"), "--prompt", "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "no such directory" in err[-1] and "Traceback" not in "\n".join(err)
+    rc = cli_main(["build", "--target", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "config.json" in capsys.readouterr().err
