@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter", help="DeepSpec-format checkpoint folder, or 'untrained' (default: the shipped "
                                      "drafter for the default target if any, else untrained)")
     b.add_argument("--out", required=True, type=Path, help="engine directory to create")
-    b.add_argument("--max-context", type=int, default=2048, help="context capacity per request in tokens (2048)")
+    b.add_argument("--max-context", type=int, default=4096, help="context capacity per request in tokens (4096)")
     b.add_argument("--target-buckets", type=_int_list, default=(1, 2, 4, 8, 16, 32, 64, 128, 256),
                    help="packed-token buckets B of the target engines (1,2,4,8,16,32,64,128,256)")
     b.add_argument("--request-buckets", type=_int_list, default=(1, 2, 4, 8, 16),

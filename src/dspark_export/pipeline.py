@@ -60,7 +60,7 @@ class BuildConfig:
     drafter: str | None = None
     target_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     request_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
-    max_context: int = 2048
+    max_context: int = 4096
     profile_context: int = 128
     profile_repeats: int = 10
     block_size: int = 7
@@ -105,6 +105,7 @@ def build_engine_dir(cfg: BuildConfig, progress: Progress | None = None) -> Buil
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         result = _build_into(cfg, tmp, say)
+        _make_readable(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -113,6 +114,12 @@ def build_engine_dir(cfg: BuildConfig, progress: Progress | None = None) -> Buil
         raise
     result.out, result.manifest_path = out, out / "manifest.json"
     return result
+
+
+def _make_readable(root: Path) -> None:
+    """Temp folders and files are created private (0700/0600); an engine directory is shared read-only."""
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
 
 
 def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
@@ -155,7 +162,8 @@ def _export_graphs(inputs, graph_dir: Path) -> dict:
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
                                     graph_dir / "target.onnx")
     embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
-    d_files, d_spec = export_drafter(inputs.drafter, inputs.rope, graph_dir, target_embed=embed)
+    d_files, d_spec = export_drafter(inputs.drafter, inputs.rope, graph_dir, target_embed=embed,
+                                     target_graph=t_files[0])
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
     rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731
     entry = lambda files, spec: {"path": rel(files[0]), "data": rel(files[1]) if len(files) > 1 else None,  # noqa: E731

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from dspark_export.errors import CheckpointError, ConfigError
 from dspark_export.modeling.checkpoint import load_drafter, read_drafter_config, save_drafter
 
-from test_drafter import _expected_names  # the DeepSpec key table, written out once
+from .deepspec_keys import expected_state_dict_shapes
 
 
 @torch.no_grad()
@@ -105,7 +105,7 @@ def _deepspec_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     from dspark_export.modeling.config import DrafterConfig
 
     generator = torch.Generator().manual_seed(seed)
-    shapes = _expected_names(DrafterConfig.from_dict(config))
+    shapes = expected_state_dict_shapes(DrafterConfig.from_dict(config))
     return {name: (torch.randn(shape, generator=generator) * 0.1).to(torch.bfloat16) for name, shape in shapes.items()}
 
 

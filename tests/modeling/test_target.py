@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -40,10 +41,20 @@ def _logits(model, ids=(1, 5, 9, 200)):
         return model(torch.tensor([ids])).logits
 
 
-def test_wrap_target(llama_target, qwen3_target):
+def test_wrap_target(llama_target, qwen3_target, tiny_llama):
     assert llama_target.eos_token_ids == (2,) and llama_target.model_type == "llama"
     assert qwen3_target.num_layers == 4 and qwen3_target.spec.has_qk_norm
     assert llama_target.tokenizer is None and llama_target.source == "tiny llama"
+    half = copy.deepcopy(tiny_llama).to(torch.bfloat16).train()
+    wrapped = wrap_target(half, source="bf16 copy")
+    assert not wrapped.model.training and all(p.dtype == torch.float32 for p in wrapped.model.parameters())
+
+
+def test_wrap_target_rejects_unsupported_models(tiny_llama):
+    model = copy.deepcopy(tiny_llama)
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ConfigError, match="hidden_act"):
+        wrap_target(model)
 
 
 def test_load_folder(llama_folder, tiny_llama):
@@ -246,6 +257,6 @@ def test_real_default_target():
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
                                                add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        out = target.model.generate(**ids, max_new_tokens=8, do_sample=False)
-    text = target.tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert "4" in text
+        out = target.model.generate(**ids, max_new_tokens=16, do_sample=False)
+    new_ids = out[0, ids["input_ids"].shape[1]:].tolist()
+    assert new_ids[-1] == 2 and "4" in target.tokenizer.decode(new_ids, skip_special_tokens=True)

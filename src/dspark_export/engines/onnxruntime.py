@@ -14,6 +14,7 @@ added ~11 MB each and ran no slower on this CPU).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Mapping
@@ -61,7 +62,11 @@ class WeightStore:
             if not uses_external_data(init):
                 continue
             info = {e.key: e.value for e in init.external_data}
-            data_path = graph_path.parent / info["location"]
+            location = info.get("location", "")
+            if not location or Path(location).name != location or location in (".", ".."):
+                raise EngineDirError(f"{graph_path}: weight {init.name!r} points to external data {location!r}; "
+                                     "expected a file name in the graph's own folder")
+            data_path = graph_path.parent / location
             if init.name not in self._values:
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
                 offset = int(info.get("offset", 0))
@@ -84,10 +89,38 @@ class WeightStore:
         return sum(a.nbytes for a in self._arrays.values())
 
 
+_GLOBAL_POOL: dict = {}
+
+
+def _use_global_thread_pool(threads: int) -> bool:
+    """Make every session of this process share one intra-op thread pool (set once per process).
+
+    Why: each ORT session otherwise owns a pool whose threads spin after each run; with ~20 bucket
+    sessions alternating (drafter, target, verify) the idle pools spin against the busy one. Measured
+    on 2 cores, SmolLM2 greedy: ar 14 → 24-29 tokens/s, fixed:7 5 → 12-14 tokens/s.
+    The pool is configured through onnxruntime's pybind module (the only Python entry point); where that
+    fails, sessions keep their own pools with spinning off (logged once).
+    """
+    if "ok" not in _GLOBAL_POOL:
+        try:
+            from onnxruntime.capi import _pybind_state
+
+            _pybind_state.set_global_thread_pool_sizes(int(threads or os.cpu_count() or 1), 1)
+            _GLOBAL_POOL["ok"] = True
+        except (AttributeError, RuntimeError) as e:
+            log.warning("onnxruntime: no global thread pool (%s); using per-session pools without spinning", e)
+            _GLOBAL_POOL["ok"] = False
+    return _GLOBAL_POOL["ok"]
+
+
 def session_options(overrides: Mapping[str, int], threads: int = 0) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.intra_op_num_threads = threads
+    if _use_global_thread_pool(threads):
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.disable_prepacking", "1")
     for dim, value in overrides.items():

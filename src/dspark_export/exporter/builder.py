@@ -101,20 +101,45 @@ class GraphBuilder:
         return model
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> list[Path]:
+def save_model(model: onnx.ModelProto, path: Path, share_from: Path | None = None) -> list[Path]:
     """Write `model` to `path` with weights in one external-data file beside it.
 
+    Args:
+        model: the graph (weights inline; they are moved out).
+        path: the .onnx file to write.
+        share_from: an already saved graph in the same folder. Initializers of `model` that have the
+            same name as one of its external initializers point into its data file instead of being
+            written again (the exporters give a tensor the same name only when it is equal, e.g. the
+            drafter's frozen embedding/LM head and the target's embedding).
     Returns:
-        list[Path]: the files written (the .onnx and, when weights exist, the .onnx.data file).
+        list[Path]: the files written (the .onnx and, when weights were written, its .onnx.data).
     """
     path = Path(path)
     data_name = path.name + ".data"
     data_path = path.with_name(data_name)
     if data_path.exists():
         os.remove(data_path)  # onnx appends to an existing data file
+    if share_from is not None:
+        _point_to_shared(model, Path(share_from))
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data_name, size_threshold=1024)
     return [path, data_path] if data_path.exists() else [path]
+
+
+def _point_to_shared(model: onnx.ModelProto, other: Path) -> None:
+    from onnx.external_data_helper import uses_external_data
+
+    shared = {t.name: t for t in onnx.load(str(other), load_external_data=False).graph.initializer
+              if uses_external_data(t)}
+    for init in model.graph.initializer:
+        ref = shared.get(init.name)
+        if ref is None or list(ref.dims) != list(init.dims) or ref.data_type != init.data_type:
+            continue
+        init.ClearField("raw_data")
+        init.data_location = onnx.TensorProto.EXTERNAL
+        del init.external_data[:]
+        for entry in ref.external_data:
+            init.external_data.add(key=entry.key, value=entry.value)
 
 
 # -- common subgraphs ------------------------------------------------------------------------

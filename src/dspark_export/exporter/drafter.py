@@ -231,7 +231,12 @@ def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec) -> list[str
     else:
         names += ["", ""]
     if spec.has_confidence:
-        names.append(b.weight("confidence_head.proj.weight", sd["confidence_head.proj.weight"].reshape(-1)))
+        w = sd["confidence_head.proj.weight"].reshape(-1)
+        if spec.markov_rank > 0 and w.shape[0] == spec.hidden_size:
+            # confidence_head_with_markov=False: the head reads h_k only; zero weights on W1[prev]
+            # make the op's [h_k ; W1[prev]] input compute exactly that.
+            w = np.concatenate([w, np.zeros(spec.markov_rank, np.float32)])
+        names.append(b.weight("confidence_head.proj.weight", w))
         names.append(b.weight("confidence_head.proj.bias", sd["confidence_head.proj.bias"].reshape(1)))
     else:
         names += ["", ""]
@@ -246,7 +251,8 @@ def build_drafter_graphs(drafter, rope, target_embed=None):
         return build_context_graph(drafter, rope), build_block_graph(drafter, rope, target_embed), _spec(drafter)
 
 
-def export_drafter(drafter, rope, out_dir: Path, target_embed=None) -> tuple[list[Path], DrafterGraphSpec]:
+def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
+                   target_graph: Path | None = None) -> tuple[list[Path], DrafterGraphSpec]:
     """Write drafter_context.onnx and drafter_block.onnx (+ .data) into `out_dir`.
 
     Args:
@@ -254,8 +260,11 @@ def export_drafter(drafter, rope, out_dir: Path, target_embed=None) -> tuple[lis
         rope: (inv_freq [D/2] float32, attention_scaling) of the target (the drafter shares its RoPE).
         target_embed: the target's embedding matrix [V, H]; equal drafter embeddings/LM heads are
             named after it so engines hold one copy.
+        target_graph: the saved target.onnx in `out_dir`; shared weights then point into its data
+            file instead of being written twice.
     """
     ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed)
     out_dir = Path(out_dir)
-    files = save_model(ctx, out_dir / "drafter_context.onnx") + save_model(block, out_dir / "drafter_block.onnx")
+    files = save_model(ctx, out_dir / "drafter_context.onnx", target_graph)
+    files += save_model(block, out_dir / "drafter_block.onnx", target_graph)
     return files, spec
