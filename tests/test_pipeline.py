@@ -165,3 +165,27 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert rc == 2 and "no such directory" in err[-1] and "Traceback" not in "\n".join(err)
     rc = cli_main(["build", "--target", str(tmp_path), "--out", str(tmp_path / "o")])
     assert rc == 2 and "config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"hidden_size": 32}, r"hidden_size.*32.*64|hidden_size.*64.*32"),
+    ({"vocab_size": 128, "mask_token_id": 5}, r"vocab_size.*128.*256|vocab_size.*256.*128"),
+    ({"target_layer_ids": [1, 3]}, r"target_layer_ids"),
+], ids=["hidden", "vocab", "taps"])
+def test_drafter_that_does_not_fit_the_target(tiny_target_dir, tmp_path, edit, match):
+    from dspark_export.errors import ConfigError
+    from dspark_export.modeling.checkpoint import save_drafter
+    from dspark_export.modeling.config import DrafterConfig
+    from dspark_export.modeling.drafter import init_drafter
+    from dspark_export.modeling.target import load_target
+
+    target = load_target(tiny_target_dir)
+    drafter = init_drafter(target, DrafterConfig.from_target(target.config, block_size=4, markov_rank=8))
+    ckpt = save_drafter(drafter, tmp_path / "drafter")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(edit)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "eng"
+    with pytest.raises(ConfigError, match=match):
+        build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))
+    assert not out.exists()

@@ -129,6 +129,8 @@ def _read_prompts(path: Path) -> list[tuple[str | None, str | None]]:
 
 
 def cmd_generate(args) -> int:
+    from tqdm import tqdm
+
     from .runtime.api import Runtime
     from .runtime.request import GenerationResult, SamplingParams
 
@@ -142,7 +144,10 @@ def cmd_generate(args) -> int:
         _progress("note: this engine directory's drafter is untrained: drafts are rarely accepted")
     _progress(f"generating {len(items)} prompt(s) with policy {rt.policy}")
     valid = [i for i, (_, err) in enumerate(items) if err is None]
-    done = iter(rt.generate_text([items[i][0] for i in valid], params, chat=args.chat))
+    bar = tqdm(total=len(valid), desc="generate", unit="prompt", file=sys.stderr, disable=len(valid) < 2)
+    done = iter(rt.generate_text([items[i][0] for i in valid], params, chat=args.chat,
+                                 on_finish=lambda index: bar.update(1)))
+    bar.close()
     results = [next(done) if err is None else GenerationResult(finish_reason="error", error=err, text="")
                for _, err in items]
     for (prompt, err), r in zip(items, results):

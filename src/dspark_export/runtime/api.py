@@ -64,11 +64,12 @@ class Runtime:
                                                            return_dict=False))
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
-    def generate_ids(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
-        return self.generator.generate(prompts, params)
+    def generate_ids(self, prompts: list[list[int]], params: list[SamplingParams],
+                     on_finish=None) -> list[GenerationResult]:
+        return self.generator.generate(prompts, params, on_finish)
 
     def generate_text(self, prompts: list[str], params: SamplingParams | list[SamplingParams],
-                      chat: bool = False) -> list[GenerationResult]:
+                      chat: bool = False, on_finish=None) -> list[GenerationResult]:
         """Encode, generate, decode. A prompt that cannot be encoded fails alone."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids, errors = [], {}
@@ -79,7 +80,7 @@ class Runtime:
                 ids.append([])
                 errors[i] = str(e)
         t0 = time.perf_counter()
-        results = self.generate_ids(ids, params_list)
+        results = self.generate_ids(ids, params_list, on_finish)
         log.debug("generated %d requests in %.2f s", len(prompts), time.perf_counter() - t0)
         for i, r in enumerate(results):
             if i in errors:

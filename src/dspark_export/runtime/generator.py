@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -75,15 +76,18 @@ class Generator:
         self.max_tokens = engines.buckets("target")[-1]
 
     # -- public ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 on_finish: Callable[[int], None] | None = None) -> list[GenerationResult]:
         """Generate for every prompt; a bad request fails alone (finish_reason "error").
 
         Args:
             prompts: token ids per request.
             params: sampling parameters per request (same length as prompts).
+            on_finish: called with a request's index when it finishes (progress reporting).
         Returns:
             one GenerationResult per prompt, in order.
         """
+        self._on_finish = on_finish or (lambda index: None)
         results = [GenerationResult() for _ in prompts]
         ok = []
         for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -93,6 +97,7 @@ class Generator:
             except RequestError as e:
                 results[i].finish_reason, results[i].error = "error", str(e)
                 results[i].stats.prompt_tokens = len(ids)
+                self._on_finish(i)
         wave = self.engines.buckets("drafter_block")[-1]
         for w in range(0, len(ok), wave):
             self._run_wave([(i, prompts[i], params[i], results[i]) for i in ok[w:w + wave]])
@@ -202,6 +207,7 @@ class Generator:
             s.done, s.result.finish_reason = True, "capacity"
         if s.done:
             st.wall_s = time.perf_counter() - s.t0
+            self._on_finish(s.index)
 
     # -- engine calls ------------------------------------------------------------------------
     def _target_pass(self, segments: list[Segment]):
