@@ -5,8 +5,8 @@ Reports (JSON on stdout, a table on stderr):
 - resident memory (RSS) before and after loading every engine;
 - per prompt (math, code, chat from the eval datasets, chat template on): `ar` and `fixed:K` tokens/s,
   τ, and whether the greedy token ids are identical;
-- decode step time at several context lengths: mean wall time of one runtime step for a single
-  request whose context is that long, for `ar` and `fixed:K`.
+- decode step time at several context lengths: median wall time of one runtime step (draft, verify,
+  commit) for a single request whose context is that long, for `ar` and `fixed:K`.
 
 Usage:
     python scripts/measure_engine_dir.py --engine-dir engines/smollm2 --datasets-dir ../shared/eval_datasets \
@@ -21,9 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 from dspark_export.runtime.api import Runtime
+from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.request import SamplingParams
 
 DATASETS = [("gsm8k", "math"), ("math500", "math"), ("humaneval", "code"), ("mbpp", "code"), ("mt-bench", "chat")]
@@ -39,19 +41,25 @@ def first_turns(datasets_dir: Path) -> list[tuple[str, str, str]]:
 
 
 def step_time_ms(rt: Runtime, policy: str, context: int, steps: int) -> float:
-    """Mean wall time per generated token... per runtime step, for one request at `context` tokens."""
+    """Median wall time of one runtime step (draft → verify → commit), in ms, for one request whose
+    context is `context` tokens long. Times `Generator._step` itself, so prefill is excluded."""
     rt.set_policy(policy)
     filler = rt.tokenizer("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False)["input_ids"]
     prompt = (filler * (context // len(filler) + 1))[:context]
-    [warm] = rt.generate_ids([prompt[:64]], [SamplingParams(max_new_tokens=4)])
-    t0 = time.perf_counter()
-    [r] = rt.generate_ids([prompt], [SamplingParams(max_new_tokens=steps)])
-    total = time.perf_counter() - t0
-    # subtract prefill: time a 1-token generation of the same prompt
-    t0 = time.perf_counter()
-    rt.generate_ids([prompt], [SamplingParams(max_new_tokens=1)])
-    prefill = time.perf_counter() - t0
-    return 1000.0 * (total - prefill) / max(1, r.stats.rounds)
+    times = []
+    original = Generator._step
+
+    def timed(self, active):
+        t0 = time.perf_counter()
+        original(self, active)
+        times.append(time.perf_counter() - t0)
+
+    Generator._step = timed
+    try:
+        rt.generate_ids([prompt], [SamplingParams(max_new_tokens=steps + 1)])
+    finally:
+        Generator._step = original
+    return 1000.0 * float(np.median(times))
 
 
 def main() -> int:

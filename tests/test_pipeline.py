@@ -53,6 +53,13 @@ def test_engine_directory_contents(engine_dir):
     assert not list(engine_dir.parent.glob(".tiny.partial-*"))
 
 
+@pytest.mark.parametrize("policy", ["fixed:4", "fixed:1", "threshold:0.4", "dspark", "dspark-async"])
+def test_greedy_output_equals_ar_under_every_policy(runtime, policy):
+    ar = _run(runtime, "ar")
+    for a, s in zip(ar, _run(runtime, policy)):
+        assert s.token_ids == a.token_ids
+
+
 def test_greedy_fixed_equals_ar_and_batch_equals_solo(runtime):
     ar = _run(runtime, "ar")
     spec = _run(runtime, "fixed:4")
@@ -89,11 +96,13 @@ def test_oracle_drafts_exercise_acceptance(runtime, monkeypatch):
         return {**out, "draft_ids": ids, "draft_logits": logits}
 
     monkeypatch.setattr(Generator, "_draft", oracle)
+    for policy in ("fixed:4", "dspark", "dspark-async"):
+        spec = _run(runtime, policy, max_new_tokens=30)
+        for p, r in zip(PROMPTS, spec):
+            assert r.token_ids == ar[tuple(p)], policy
+        assert sum(r.stats.accepted_tokens for r in spec) > 0
     spec = _run(runtime, "fixed:4", max_new_tokens=30)
-    for p, r in zip(PROMPTS, spec):
-        assert r.token_ids == ar[tuple(p)]
     assert max(r.stats.acceptance_length for r in spec) > 1.5
-    assert sum(r.stats.accepted_tokens for r in spec) > 0
 
 
 def test_seeded_sampling_is_reproducible(runtime):

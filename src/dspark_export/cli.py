@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (per request: [seed, index])")
-    g.add_argument("--policy", default="fixed:7", help="ar | fixed:K (default fixed:7)")
+    g.add_argument("--policy", default="fixed:7",
+                   help="ar | fixed:K | threshold:C | dspark | dspark-async (default fixed:7)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
 

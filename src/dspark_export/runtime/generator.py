@@ -16,6 +16,7 @@ runs in an engine.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,15 +25,28 @@ from typing import Callable
 import numpy as np
 
 from ..engines.engine_set import EngineSet
-from ..errors import RequestError
+from ..errors import EngineDirError, RequestError
 from .kv_cache import KVCache
 from ..engines.packing import Segment, pack_segments
 from .policies import Policy
+from .scheduler import ThroughputProfile
 from .request import GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Generator"]
+
+
+def _load_profile(engines: EngineSet) -> ThroughputProfile:
+    """The engine directory's SPS(B) table (profile/sps.json), for the dspark policies."""
+    manifest = engines.manifest
+    rel = manifest.data.get("profile", {}).get("path")
+    if not rel:
+        raise EngineDirError(f"{manifest.root}: manifest has no profile; run `dspark-export profile`")
+    try:
+        return ThroughputProfile.from_json(json.loads(manifest.path_of(rel, "profile.path").read_text()))
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise EngineDirError(f"{manifest.root / rel}: unreadable throughput profile ({e})") from e
 
 
 @dataclass
@@ -74,6 +88,8 @@ class Generator:
         self.vocab_size = int(rt["vocab_size"])
         self.sts = np.asarray(rt.get("confidence_temperature") or [1.0] * self.block_size, np.float32)
         self.max_tokens = engines.buckets("target")[-1]
+        self.profile = _load_profile(engines) if policy.needs_profile else None
+        self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
 
     # -- public ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -131,6 +147,7 @@ class Generator:
             res.stats.prompt_tokens = len(ids)
             states.append(_State(i, slot, np.asarray(ids, np.int64), p, np.random.default_rng([seed, i]),
                                  self.eos_ids | frozenset(p.stop_token_ids), res))
+        self._history = []
         self._prefill(states)
         while active := [s for s in states if not s.done]:
             self._step(active)
@@ -165,13 +182,19 @@ class Generator:
     # -- one speculative step ----------------------------------------------------------------
     def _step(self, active: list[_State]) -> None:
         drafts = self._draft(active) if self.policy.drafts else None
-        conf = drafts["confidence"] if drafts else np.ones((self.num_slots, self.block_size), np.float32)
-        lens = self.policy.verify_lengths(conf, self.block_size)
-        verify_lens = {}
-        for s in active:
-            room = self.max_context - s.start - 1           # cache rows left after the anchor
-            left = s.params.max_new_tokens - len(s.result.token_ids) - 1  # drafts beyond this are wasted
-            verify_lens[s.slot] = int(max(0, min(lens[s.slot], room, left))) if drafts else 0
+        slots = np.array([s.slot for s in active], np.int64)
+        caps = np.array([max(0, min(self.block_size,
+                                    self.max_context - s.start - 1,                     # cache rows after the anchor
+                                    s.params.max_new_tokens - len(s.result.token_ids) - 1))  # drafts past max are waste
+                         for s in active], np.int64)
+        if drafts is None:
+            lens = np.zeros(len(active), np.int64)
+        else:
+            conf = drafts["confidence"][slots]
+            lens = self.policy.verify_lengths(conf, self.block_size, self.profile,
+                                              self._history[0] if len(self._history) == 2 else None, caps)
+            self._history = (self._history + [conf])[-2:]
+        verify_lens = {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}
         segments = [Segment(s.slot, np.concatenate([[s.anchor], drafts["draft_ids"][s.slot, :verify_lens[s.slot]]])
                             if drafts else np.array([s.anchor]), s.start) for s in active]
         packed, out = self._target_pass(segments)

@@ -1,0 +1,270 @@
+"""Hardware-aware prefix scheduler (DSpark paper §3.2.2 Algorithm 1, §5.2, Appendix A).
+
+Pure functions of calibrated confidences and the throughput profile: no clocks, no state, no I/O.
+Dimension letters: R requests in the step, γ draft block size, B verification tokens in the step
+(one anchor/bonus row per request plus the admitted drafts), K admitted draft positions (B = R + K).
+
+Quantities (positions j = 1..γ, column j-1 of the arrays):
+    c[r, j]  calibrated conditional acceptance probability of draft j given drafts < j accepted;
+    a[r, j]  = Π_{i ≤ j} c[r, i], the survival (probability that drafts 1..j are all accepted);
+    τ        = Σ_r (1 + Σ_{j ≤ ℓ_r} a[r, j]), expected tokens committed by the step (bonus included);
+    SPS(B)   target steps per second at B verification tokens (profile, staircase over buckets);
+    Θ        = τ · SPS(B), expected tokens per second: tokens per step ÷ step latency.
+
+Because a[r, j] is non-increasing in j, the K candidates (r, j) with the largest survivals always form
+a prefix of every request's block (ties broken by lower j first, then lower r), so a capacity K
+fixes the lengths: ℓ_r = number of request r's positions among the top K.
+
+Non-anticipation (lossless speculative decoding): the admission of draft j of request r (ℓ_r ≥ j)
+may depend on c[r, 1..j] but not on c[r, j+1..γ], which are functions of the drawn token x_{r,j}.
+`dspark_lengths` guarantees it with the early stop: (r, j) is admitted from the sorted prefix up to
+itself only. `dspark_async_lengths` guarantees it by choosing K from confidences of an earlier step.
+A global argmax over K on the *current* confidences does not (Appendix A; see the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import ProfileError
+
+__all__ = ["ThroughputProfile", "survival_probs", "expected_throughput", "search_capacity",
+           "top_k_lengths", "dspark_lengths", "dspark_async_lengths"]
+
+
+@dataclass(frozen=True)
+class ThroughputProfile:
+    """SPS(B): target steps per second per bucket of verification tokens B (profile/sps.json).
+
+    SPS(B) for any B is the SPS of the smallest bucket ≥ B, because the runtime pads a step of B
+    tokens up to that bucket; a B beyond the largest bucket cannot run and has SPS 0.
+
+    Args:
+        buckets: bucket sizes B in tokens, strictly increasing, each ≥ 1.
+        steps_per_s: SPS of each bucket in steps/s, each > 0 and finite.
+    Raises:
+        ProfileError: empty table, unsorted or duplicate buckets, non-positive SPS, length mismatch.
+    """
+
+    buckets: tuple[int, ...]
+    steps_per_s: tuple[float, ...]
+    _b: np.ndarray = field(init=False, repr=False, compare=False)
+    _s: np.ndarray = field(init=False, repr=False, compare=False)
+    _dense: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        b = np.asarray(self.buckets, np.int64)
+        s = np.asarray(self.steps_per_s, np.float64)
+        if b.ndim != 1 or b.size == 0 or b.shape != s.shape:
+            raise ProfileError(f"profile: expected equal, non-empty lists of buckets and SPS, found "
+                               f"{len(self.buckets)} buckets and {len(self.steps_per_s)} SPS values")
+        if b[0] < 1 or np.any(np.diff(b) <= 0):
+            raise ProfileError(f"profile: buckets must be ≥ 1 and strictly increasing, found {list(self.buckets)}")
+        if not np.all(np.isfinite(s) & (s > 0)):
+            raise ProfileError(f"profile: SPS must be finite and > 0, found {list(self.steps_per_s)}")
+        object.__setattr__(self, "buckets", tuple(int(x) for x in b))
+        object.__setattr__(self, "steps_per_s", tuple(float(x) for x in s))
+        # Padded lookup table: index len(b) (beyond the largest bucket) reads SPS 0.
+        object.__setattr__(self, "_b", b)
+        object.__setattr__(self, "_s", np.append(s, 0.0))
+        # SPS for every B = 0..max+1 (the last entry, 0, stands for every B beyond the largest bucket), so
+        # the scheduler reads SPS(R..R+n) as one slice instead of a search per step.
+        object.__setattr__(self, "_dense", self._s[np.searchsorted(b, np.arange(b[-1] + 2), side="left")])
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ThroughputProfile":
+        """Build from the sps.json object: its `target` rows {"B", "median_ms", "p10_ms", "p90_ms", "sps"}.
+
+        Raises:
+            ProfileError: no `target` rows, a row without integer `B` or numeric `sps`.
+        """
+        rows = data.get("target") if isinstance(data, Mapping) else None
+        if not rows:
+            raise ProfileError("profile: expected an sps.json object with a non-empty 'target' list of rows")
+        try:
+            pairs = sorted((int(row["B"]), float(row["sps"])) for row in rows)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"profile: every 'target' row needs an integer 'B' and a numeric 'sps' ({e!r})") from e
+        return cls(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest bucket: the most verification tokens one step can hold."""
+        return self.buckets[-1]
+
+    def sps(self, num_tokens):
+        """SPS of the smallest bucket ≥ num_tokens (0 beyond the largest bucket).
+
+        Args:
+            num_tokens: int or [n] int array of verification tokens B.
+        Returns:
+            float, or [n] float64 array, in steps/s.
+        """
+        out = self._s[np.searchsorted(self._b, num_tokens, side="left")]
+        return float(out) if np.ndim(out) == 0 else out
+
+    def sps_range(self, first: int, count: int) -> np.ndarray:
+        """[count] float64: SPS(first), SPS(first + 1), ..., SPS(first + count - 1); first ≥ 0."""
+        out = self._dense[first:first + count]
+        if out.size < count:                                  # past the largest bucket: SPS 0
+            out = np.concatenate((out, np.zeros(count - out.size)))
+        return out
+
+
+def _check_confidence(confidence: np.ndarray, name: str = "confidence") -> np.ndarray:
+    c = np.asarray(confidence)
+    if c.ndim != 2:
+        raise ValueError(f"{name}: expected [R, γ] float, found shape {c.shape}")
+    if c.size and not (c.min() >= 0 and c.max() <= 1):     # min/max propagate NaN: also rejects NaN
+        raise ValueError(f"{name}: expected probabilities in [0, 1], found min {np.nanmin(c)}, max {np.nanmax(c)}"
+                         f"{' and NaN' if np.isnan(c).any() else ''}")
+    return c
+
+
+def survival_probs(confidence: np.ndarray, max_lengths: np.ndarray | None = None) -> np.ndarray:
+    """a[r, j] = Π_{i ≤ j} c[r, i]; positions beyond max_lengths[r] get survival 0 (never admitted).
+
+    Args:
+        confidence: [R, γ] float32 conditional confidences in [0, 1].
+        max_lengths: [R] int, optional cap on ℓ_r (cache room, tokens left); none by default.
+    Returns:
+        [R, γ] float64, non-increasing along γ.
+    Raises:
+        ValueError: bad shape, values outside [0, 1], max_lengths not [R].
+    """
+    c = _check_confidence(confidence)
+    a = np.cumprod(c, axis=1, dtype=np.float64)    # x·c ≤ x for c ≤ 1, also after rounding
+    if max_lengths is not None:
+        cap = np.asarray(max_lengths)
+        if cap.shape != (c.shape[0],):
+            raise ValueError(f"max_lengths: expected [R] = [{c.shape[0]}], found shape {cap.shape}")
+        a[np.arange(c.shape[1])[None, :] >= cap[:, None]] = 0.0
+    return a
+
+
+def _sorted_candidates(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates with a > 0, by a descending, ties by lower j then lower r.
+
+    Returns (flat indices j·R + r, their survivals), both [n].
+    """
+    flat = survival.T.ravel()                       # j-major, so a stable sort breaks ties by j, then r
+    order = np.argsort(-flat, kind="stable")
+    ranked = flat[order]
+    n = int(np.count_nonzero(ranked > 0))           # positives come first
+    return order[:n], ranked[:n]
+
+
+def _throughputs(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile) -> np.ndarray:
+    """Θ_k = (R + Σ_{i ≤ k} ranked_i) · SPS(R + k) for k = 0..n, as [n+1] float64."""
+    tau = np.empty(ranked.size + 1)
+    tau[0] = 0.0
+    np.cumsum(ranked, out=tau[1:])
+    tau += num_requests
+    return tau * profile.sps_range(num_requests, ranked.size + 1)
+
+
+def search_capacity(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile, early_stop: bool) -> int:
+    """The number K of ranked candidates to admit.
+
+    early_stop=True (Algorithm 1): K = the last k before the first k with Θ_k ≤ Θ_{k-1}.
+    early_stop=False (§5.2 global search): K = argmax_k Θ_k (the smallest k on ties).
+
+    Args:
+        ranked: [n] float64 survivals sorted descending.
+        num_requests: R (anchor rows, each worth one expected token).
+        profile: SPS(B).
+    Returns:
+        K in 0..n.
+    """
+    theta = _throughputs(ranked, num_requests, profile)
+    if not early_stop:
+        return int(np.argmax(theta))
+    stops = np.flatnonzero(theta[1:] <= theta[:-1])   # k - 1 for every non-improving k
+    return int(stops[0]) if stops.size else ranked.size
+
+
+def top_k_lengths(order: np.ndarray, num_requests: int, k: int) -> np.ndarray:
+    """ℓ_r = number of request r's candidates among the first k of `order` (flat indices j·R + r)."""
+    return np.bincount(order[:k] % num_requests, minlength=num_requests).astype(np.int64)
+
+
+def expected_throughput(confidence: np.ndarray, lengths: np.ndarray, profile: ThroughputProfile) -> float:
+    """Θ = τ · SPS(B) of an allocation, τ = Σ_r (1 + Σ_{j ≤ ℓ_r} a[r, j]), B = Σ_r (1 + ℓ_r); tokens/s.
+
+    Args:
+        confidence: [R, γ] float32 conditional confidences.
+        lengths: [R] int verify lengths in 0..γ.
+        profile: SPS(B).
+    """
+    a = survival_probs(confidence)
+    lengths = np.asarray(lengths)
+    taken = np.arange(a.shape[1])[None, :] < lengths[:, None]
+    return float((a.shape[0] + a[taken].sum()) * profile.sps(int(a.shape[0] + lengths.sum())))
+
+
+def dspark_lengths(confidence: np.ndarray, profile: ThroughputProfile,
+                   max_lengths: np.ndarray | None = None) -> np.ndarray:
+    """`dspark`: paper Algorithm 1, greedy admission by survival with the early stop.
+
+    Sort the candidates (r, j) with a[r, j] > 0 by a descending (ties: lower j, then lower r). Start at
+    B = R, τ = R, Θ_best = R·SPS(R); admit candidates one at a time (B += 1, τ += a, Θ = τ·SPS(B)) and
+    stop at the FIRST Θ ≤ Θ_best. Computed for all prefixes at once (cumsum), no loop over candidates.
+    The early stop makes the admission of (r, j) a function of the sorted list up to (r, j) only,
+    which never contains (r, j' > j): the scheduler is non-anticipating. It reaches the global
+    maximum of Θ only where Θ is unimodal along the greedy path (smooth SPS); a staircase cliff can
+    stop it early (see `dspark_async_lengths`).
+
+    Worked example: c = [[0.9, 0.8, 0.5], [0.6, 0.5, 0.9]] → a = [[0.9, 0.72, 0.36], [0.6, 0.3, 0.27]];
+    buckets {2: 100, 4: 90, 8: 75} steps/s. Θ_0 = 2·100 = 200; admit 0.9 → B=3 (bucket 4):
+    2.9·90 = 261; admit 0.72 → B=4: 3.62·90 = 325.8; admit 0.6 → B=5 (bucket 8): 4.22·75 = 316.5
+    ≤ 325.8 → stop. ℓ = [2, 0], B = 4, Θ = 325.8 tokens/s.
+
+    Args:
+        confidence: [R, γ] float32 calibrated conditional confidences in [0, 1].
+        profile: SPS(B).
+        max_lengths: [R] int, optional cap on ℓ_r.
+    Returns:
+        [R] int64 verify lengths in 0..γ. All zeros if even R exceeds the largest bucket (SPS 0).
+    """
+    a = survival_probs(confidence, max_lengths)
+    order, ranked = _sorted_candidates(a)
+    return top_k_lengths(order, a.shape[0], search_capacity(ranked, a.shape[0], profile, early_stop=True))
+
+
+def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray | None, profile: ThroughputProfile,
+                         max_lengths: np.ndarray | None = None) -> np.ndarray:
+    """`dspark-async`: paper §5.2, capacity K from an earlier step's confidences, top-K of the current ones.
+
+    K* = argmax_K Θ(K), Θ(K) = τ(K)·SPS(R + K), τ(K) = R + sum of the K largest lagged survivals,
+    searched over every K with NO early stop, so staircase cliffs of SPS(B) do not trap it (R is the
+    current number of requests). The step then verifies the K* candidates with the largest CURRENT
+    survivals (rank-preserving; fewer if fewer have a > 0). K* does not depend on this step's draws,
+    and the top-K of the current survivals admits (r, j) from the candidates ranked above it only, so
+    the step is non-anticipating. Without history (lagged_confidence None: the first steps) it falls
+    back to `dspark_lengths` on the current confidences, never to a global search on them, which
+    would be biased (Appendix A).
+
+    Worked example (as `dspark_lengths`, with lagged = current confidences for brevity):
+    a sorted = 0.9, 0.72, 0.6, 0.36, 0.3, 0.27; Θ(K) for K = 0..6 = 200, 261, 325.8, 316.5, 343.5,
+    366, 386.25 → K* = 6 (past the cliff at B = 5 where Algorithm 1 stops). The current top-6 gives
+    ℓ = [3, 3], B = 8, Θ = 386.25 tokens/s.
+
+    Args:
+        confidence: [R, γ] float32 current calibrated conditional confidences in [0, 1].
+        lagged_confidence: [R', γ'] float32 confidences of two steps earlier (R' may differ from R
+            when requests joined or left), or None when there is no history yet.
+        profile: SPS(B).
+        max_lengths: [R] int, optional cap on ℓ_r (applies to the current candidates).
+    Returns:
+        [R] int64 verify lengths in 0..γ.
+    """
+    if lagged_confidence is None:
+        return dspark_lengths(confidence, profile, max_lengths)
+    a = survival_probs(confidence, max_lengths)
+    lagged = np.sort(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")).ravel())[::-1]
+    k = search_capacity(lagged[lagged > 0], a.shape[0], profile, early_stop=False)
+    order, _ = _sorted_candidates(a)
+    return top_k_lengths(order, a.shape[0], k)
