@@ -155,13 +155,15 @@ def test_failed_build_leaves_nothing(tiny_target_dir, tmp_path, monkeypatch):
 
 def test_cli_generate_json(engine_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "hi 2+3?"}\nnot json\n{"prompt": "x' + "y" * 300 + '"}\n{"prompt": "ok"}\n')
+    prompts.write_bytes(b'\xef\xbb\xbf{"prompt": "hi 2+3?"}\nnot json\n{"prompt": "x' + b"y" * 300
+                        + b'"}\n{"prompt": "ok"}\n{"prompt": "caf\xe9\xff"}\n')
     rc = cli_main(["generate", "--engine-dir", str(engine_dir), "--prompts-file", str(prompts), "--chat",
                    "--json", "--max-new-tokens", "8", "--policy", "fixed:4"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert rc == 0 and len(rows) == 4
-    assert [r["finish_reason"] for r in rows][1:3] == ["error", "error"]
+    assert rc == 1 and len(rows) == 5
+    assert [r["finish_reason"] for r in rows][1:3] == ["error", "error"] and rows[4]["finish_reason"] == "error"
     assert "p.jsonl:2" in rows[1]["error"] and "capacity" in rows[2]["error"]
+    assert "p.jsonl:5: not valid UTF-8" in rows[4]["error"]
     for r in (rows[0], rows[3]):
         assert len(r["token_ids"]) == 8 or r["finish_reason"] == "stop"
         assert {"prompt_tokens", "completion_tokens", "rounds", "acceptance_length", "wall_s",
@@ -198,3 +200,38 @@ def test_drafter_that_does_not_fit_the_target(tiny_target_dir, tmp_path, edit, m
     with pytest.raises(ConfigError, match=match):
         build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))
     assert not out.exists()
+
+
+def test_overwrite_replaces_only_engine_directories(engine_dir, tiny_target_dir, tmp_path, monkeypatch):
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "important.txt").write_text("keep me")
+    cfg = dict(target=str(tiny_target_dir), drafter="untrained", overwrite=True, **BUCKETS)
+    with pytest.raises(BuildError, match="not an engine directory"):
+        build_engine_dir(BuildConfig(out=user, **cfg))
+    assert (user / "important.txt").read_text() == "keep me"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(BuildError, match="not a directory"):
+        build_engine_dir(BuildConfig(out=tmp_path / "afile", **cfg))
+    monkeypatch.chdir(user)
+    for bad in (".", "..", str(tmp_path)):
+        with pytest.raises(BuildError, match="refusing"):
+            build_engine_dir(BuildConfig(out=bad, **cfg))
+    assert (user / "important.txt").exists() and [p.name for p in tmp_path.iterdir()] == ["userdir", "afile"]
+
+
+def test_profile_reseals_the_manifest(engine_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(engine_dir, copy)
+    assert cli_main(["profile", "--engine-dir", str(copy), "--context", "8", "--repeats", "1"]) == 0
+    m = Manifest.load(copy)
+    assert m.data["profile"]["context_len"] == 8
+    assert json.loads((copy / "profile" / "sps.json").read_text())["context_len"] == 8
+    assert oct((copy / "manifest.json").stat().st_mode)[-3:] == "644"
+    assert cli_main(["profile", "--engine-dir", str(copy), "--context", "500"]) == 2
+
+
+def test_fixed_k_beyond_the_block_size_is_refused(engine_dir):
+    from dspark_export.errors import RequestError
+    with pytest.raises(RequestError, match="exceeds this engine directory's block size 4"):
+        Runtime.open(engine_dir, policy="fixed:9")

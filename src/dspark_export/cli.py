@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.")
+    p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.",
+                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
@@ -63,24 +66,24 @@ def _parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with speculative decoding",
                        epilog=GENERATE_EXAMPLES, formatter_class=fmt)
-    g.add_argument("--engine-dir", required=True, type=Path)
+    g.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": "..."} per line')
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (one user turn)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="generated tokens at most (128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (per request: [seed, index])")
-    g.add_argument("--policy", default="fixed:7",
-                   help="ar | fixed:K | threshold:C | dspark | dspark-async (default fixed:7)")
+    g.add_argument("--policy", default="dspark",
+                   help="ar | fixed:K | threshold:C | dspark | dspark-async (default dspark)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
 
     pr = sub.add_parser("profile", help="re-measure the SPS(B) table of an engine directory",
                         epilog=PROFILE_EXAMPLES, formatter_class=fmt)
-    pr.add_argument("--engine-dir", required=True, type=Path)
+    pr.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
     pr.add_argument("--context", type=int, default=128, help="past length in tokens (128)")
     pr.add_argument("--repeats", type=int, default=10, help="timed runs per bucket (10)")
     return p
@@ -107,25 +110,34 @@ def cmd_build(args) -> int:
 
 
 def _read_prompts(path: Path) -> list[tuple[str | None, str | None]]:
-    """(prompt, error) per non-empty line; a bad line becomes an error for that prompt only."""
+    """(prompt, error) per non-empty line; a bad line (not UTF-8, not JSON, no string 'prompt')
+    becomes an error for that prompt only, naming file and line."""
     try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
+        raw = path.read_bytes()
     except FileNotFoundError as e:
         raise RequestError(f"{path}: prompts file not found") from e
-    except UnicodeDecodeError as e:
-        raise RequestError(f"{path}: not valid UTF-8 (byte {e.start}); expected a JSONL file") from e
+    except OSError as e:
+        raise RequestError(f"{path}: cannot read the prompts file ({e.strerror})") from e
     out = []
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        if n == 1 and line.startswith(b"\xef\xbb\xbf"):
+            line = line[3:]  # UTF-8 byte-order mark
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-            prompt = obj["prompt"] if isinstance(obj, dict) else None
-            if not isinstance(prompt, str):
-                raise KeyError("prompt")
-            out.append((prompt, None))
-        except (json.JSONDecodeError, KeyError):
+            obj = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append((None, f"{path}:{n}: not valid UTF-8"))
+            continue
+        except json.JSONDecodeError:
+            obj = None
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        if not isinstance(prompt, str):
             out.append((None, f"{path}:{n}: expected a JSON object with a string 'prompt' field"))
+        else:
+            out.append((prompt, None))
+    if not out:
+        raise RequestError(f"{path}: no prompts (expected one JSON object with a 'prompt' field per line)")
     return out
 
 
@@ -133,11 +145,13 @@ def cmd_generate(args) -> int:
     from tqdm import tqdm
 
     from .runtime.api import Runtime
+    from .runtime.policies import parse_policy
     from .runtime.request import GenerationResult, SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     params.validate()
+    parse_policy(args.policy)
     items = [(args.prompt, None)] if args.prompt is not None else _read_prompts(args.prompts_file)
     _progress(f"loading {args.engine_dir}")
     rt = Runtime.open(args.engine_dir, policy=args.policy, verify=not args.no_verify)
@@ -163,7 +177,10 @@ def cmd_generate(args) -> int:
             s = r.stats
             _progress(f"{s.completion_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, τ={s.acceptance_length:.2f}, "
                       f"finish={r.finish_reason}")
-    return 1 if all(r.finish_reason == "error" for r in results) else 0
+    failed = sum(r.finish_reason == "error" for r in results)
+    if failed:
+        _progress(f"{failed} of {len(results)} prompt(s) failed")
+    return 1 if failed else 0
 
 
 def cmd_profile(args) -> int:
@@ -175,10 +192,17 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (timeout, kill, docker stop) cleans up like Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 success; 1 some prompts failed (each reported); 2 an error (one line on stderr;
+    the trace with --verbose); 130 interrupted."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile}[args.command](args)
     except DsparkExportError as e:
@@ -189,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dspark-export {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug or an unforeseen input: still one line, the trace with --verbose
+        if args.verbose:
+            raise
+        print(f"dspark-export {args.command}: internal error: {type(e).__name__}: {e} "
+              "(run with --verbose for the trace)", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

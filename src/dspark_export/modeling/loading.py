@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CheckpointError, ConfigError
 from .checkpoint import load_drafter
 from .config import DrafterConfig
 from .drafter import DSparkDrafter, init_drafter
@@ -49,10 +50,6 @@ class BuildInputs:
         return bool(getattr(self.target.tokenizer, "chat_template", None))
 
     def save_tokenizer(self, path: Path) -> None:
-        if self.target.tokenizer is None:
-            from ..errors import CheckpointError
-            raise CheckpointError(f"target {self.target.source}: has no tokenizer files; an engine directory "
-                                  "needs one to encode prompts")
         self.target.tokenizer.save_pretrained(str(path))
 
 
@@ -77,7 +74,15 @@ def load_build_inputs(target: str | None, drafter: str | None, *, block_size: in
     """
     is_default = target is None
     target_path = default_target_path() if is_default else Path(target)
-    tgt = load_target(target_path)
+    try:
+        tgt = load_target(target_path)
+    except (CheckpointError, ConfigError) as e:
+        hint = (f" (the cached default model may be damaged: delete {target_path} and build again)"
+                if is_default else "")
+        raise type(e)(f"target {target_path}: {e}{hint}" if str(target_path) not in str(e) else f"{e}{hint}") from e
+    if tgt.tokenizer is None:
+        raise CheckpointError(f"target {target_path}: has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                              "an engine directory needs one to encode prompts")
     target_source = {"path": str(target_path), "model_type": tgt.model_type,
                      "embedded_default": is_default, "num_layers": tgt.num_layers}
     if drafter is None:
@@ -91,7 +96,10 @@ def load_build_inputs(target: str | None, drafter: str | None, *, block_size: in
                     "will be accepted", seed)
         source = {"kind": UNTRAINED, "seed": seed, "is_trained": False}
     else:
-        model = load_drafter(drafter, tgt)
+        try:
+            model = load_drafter(drafter, tgt)
+        except (CheckpointError, ConfigError) as e:
+            raise type(e)(f"drafter {drafter}: {e}" if str(drafter) not in str(e) else str(e)) from e
         source = {"kind": "checkpoint", "path": str(drafter), "is_trained": bool(model.config.is_trained)}
     source.update(num_layers=model.config.num_hidden_layers, block_size=model.config.block_size,
                   markov_rank=model.config.markov_rank, target_layer_ids=list(model.config.target_layer_ids))

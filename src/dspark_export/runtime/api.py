@@ -1,7 +1,7 @@
 """Text-level Python API over an engine directory.
 
     from dspark_export.runtime.api import Runtime
-    rt = Runtime.open("engines/smollm2", policy="fixed:7")
+    rt = Runtime.open("engines/smollm2", policy="dspark")
     [result] = rt.generate_text(["What is 2+3?"], chat=True, params=SamplingParams(max_new_tokens=64))
     print(result.text, result.stats.acceptance_length)
 """
@@ -37,7 +37,7 @@ class Runtime:
         self.generator = Generator(engines, policy)
 
     @classmethod
-    def open(cls, engine_dir: str | Path, policy: str | Policy = "fixed:7", verify: bool = True,
+    def open(cls, engine_dir: str | Path, policy: str | Policy = "dspark", verify: bool = True,
              threads: int = 0) -> "Runtime":
         """Load and check an engine directory, activate all its engines, load its tokenizer.
 

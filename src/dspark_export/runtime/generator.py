@@ -83,6 +83,9 @@ class Generator:
         rt = engines.manifest.runtime
         self.engines, self.policy = engines, policy
         self.block_size = int(rt["block_size"])
+        if policy.name == "fixed" and policy.k > self.block_size:
+            raise RequestError(f"policy {policy}: K={policy.k} exceeds this engine directory's block size "
+                               f"{self.block_size} (drafts per block); use fixed:1..fixed:{self.block_size}")
         self.max_context = int(rt["max_context"])
         self.eos_ids = frozenset(int(t) for t in rt["eos_token_ids"])
         self.vocab_size = int(rt["vocab_size"])

@@ -43,6 +43,8 @@ class SamplingParams:
             raise RequestError(f"temperature: expected a finite value >= 0, found {self.temperature!r}")
         if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise RequestError(f"top_k: expected an integer >= 0 (0 = off), found {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
+            raise RequestError(f"seed: expected an integer >= 0 or None, found {self.seed!r}")
         if not (0 < self.top_p <= 1):
             raise RequestError(f"top_p: expected a value in (0, 1], found {self.top_p!r}")
 
