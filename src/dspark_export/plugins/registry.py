@@ -1,13 +1,17 @@
-"""``OP_REGISTRY``: each ``dspark`` op's schema, numpy reference and ONNX function, by op type.
+"""``OP_REGISTRY``: each ``dspark`` op's schema, numpy reference, ONNX function and Triton kernel, by op type.
 
 A reference runner executes a whole exported graph on CPU by looking custom nodes up here
-(Polygraphy's pluginref idea); ``graph.make_op_model`` builds single-op models from it.
+(Polygraphy's pluginref idea); ``graph.make_op_model`` builds single-op models from it. The Triton
+kernels are named lazily: nothing imports triton (or decorates a kernel) until ``OpEntry.triton`` is
+called, and it raises PluginError when ``triton_support.has_triton()`` is False.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -21,6 +25,10 @@ from dspark_export.plugins.markov_draft.schema import MarkovDraftConfig
 from dspark_export.plugins.speculative_verify import onnx_function as verify_onnx
 from dspark_export.plugins.speculative_verify import reference as verify_reference
 from dspark_export.plugins.speculative_verify.schema import SCHEMA as VERIFY_SCHEMA
+from dspark_export.plugins.triton_support import require_triton
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +41,9 @@ class OpEntry:
         make_function: static configuration → FunctionProto.
         make_node: (inputs, outputs, name, **configuration) → NodeProto.
         present_inputs: static configuration (a mapping) → the input names a node of it feeds, in schema order.
+        triton: feeds keyed by input name → outputs keyed by output name (torch tensors on a CUDA
+            device, or on the CPU under ``TRITON_INTERPRET=1``), with the op's Triton kernel; options
+            such as ``block_v`` pass through. None for an op without one.
     """
 
     schema: OpSchema
@@ -40,6 +51,7 @@ class OpEntry:
     make_function: Callable[..., onnx.FunctionProto]
     make_node: Callable[..., onnx.NodeProto]
     present_inputs: Callable[[Mapping[str, object]], tuple[str, ...]]
+    triton: Callable[..., dict[str, torch.Tensor]] | None = None
 
 
 def _markov_draft_inputs(config: Mapping[str, object]) -> tuple[str, ...]:
@@ -51,13 +63,24 @@ def _verify_inputs(config: Mapping[str, object]) -> tuple[str, ...]:
     return VERIFY_SCHEMA.input_names
 
 
+def _lazy_triton(op_folder: str, schema: OpSchema) -> Callable[..., dict[str, torch.Tensor]]:
+    """``plugins.<op_folder>.triton_kernel.run``, imported on the first call (behind ``has_triton``)."""
+
+    def run(feeds: Mapping[str, torch.Tensor], **options) -> dict[str, torch.Tensor]:
+        require_triton(schema.qualified_name)
+        return importlib.import_module(f"dspark_export.plugins.{op_folder}.triton_kernel").run(feeds, **options)
+
+    return run
+
+
 OP_REGISTRY: dict[str, OpEntry] = {
     "MarkovDraft": OpEntry(
         MARKOV_DRAFT_SCHEMA, markov_draft_reference.run, markov_draft_onnx.make_function, markov_draft_onnx.make_node,
-        _markov_draft_inputs,
+        _markov_draft_inputs, triton=_lazy_triton("markov_draft", MARKOV_DRAFT_SCHEMA),
     ),
     "SpeculativeVerify": OpEntry(
         VERIFY_SCHEMA, verify_reference.run, verify_onnx.make_function, verify_onnx.make_node, _verify_inputs,
+        triton=_lazy_triton("speculative_verify", VERIFY_SCHEMA),
     ),
 }
 
