@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -51,18 +53,20 @@ def _load_profile(engines: EngineSet) -> ThroughputProfile:
 
 @dataclass
 class _State:
-    """One active request in a slot."""
+    """One request: waiting, prefilling, decoding or finished."""
 
     index: int
-    slot: int
     prompt: np.ndarray
     params: SamplingParams
     rng: np.random.Generator
     stop_ids: frozenset
     result: GenerationResult
+    on_token: Callable | None = None
+    slot: int = -1
     prefilled: int = 0
     anchor: int = -1          # last committed token, not yet run through the target
     done: bool = False
+    cancelled: bool = False
     t0: float = field(default_factory=time.perf_counter)
 
     @property
@@ -70,16 +74,31 @@ class _State:
         """Absolute position of the anchor (= committed target KV length)."""
         return len(self.prompt) + len(self.result.token_ids) - 1
 
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
 
 class Generator:
-    """Runs DSpark speculative decoding over the engines of one engine directory.
+    """Continuous batching of DSpark speculative decoding over one engine directory's engines.
+
+    Requests are submitted at any time (`submit`), admitted into KV-cache slots as slots free up,
+    and advanced together by `step`: one step drafts for every decoding request, then runs ONE
+    packed target pass carrying every request's verification rows plus prefill chunks of newly
+    admitted requests, then verifies and commits. Each request's output equals its solo run
+    (greedy). The slot count follows the request-count buckets (grows and compacts at bucket
+    boundaries), so a lone request runs the R=1 engines.
 
     Args:
         engines (EngineSet): the loaded engines.
         policy (Policy): verification-length policy.
+        max_slots (int): requests decoded at once; defaults to the largest drafter bucket.
+
+    Thread safety: `submit` and `cancel` may be called from any thread; `step`/`generate` from one
+    thread at a time.
     """
 
-    def __init__(self, engines: EngineSet, policy: Policy):
+    def __init__(self, engines: EngineSet, policy: Policy, max_slots: int | None = None):
         rt = engines.manifest.runtime
         self.engines, self.policy = engines, policy
         self.block_size = int(rt["block_size"])
@@ -91,38 +110,105 @@ class Generator:
         self.vocab_size = int(rt["vocab_size"])
         self.sts = np.asarray(rt.get("confidence_temperature") or [1.0] * self.block_size, np.float32)
         self.max_tokens = engines.buckets("target")[-1]
+        self.max_slots = min(max_slots or engines.buckets("drafter_block")[-1], engines.buckets("drafter_block")[-1],
+                             self.max_tokens // (self.block_size + 1))
         self.profile = _load_profile(engines) if policy.needs_profile else None
         self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
+        self._lock = threading.Lock()
+        self._waiting: deque[_State] = deque()
+        self._slots: list[_State | None] = []
+        self._requests: dict[int, _State] = {}
+        self._next_id = 0
+        m = engines.manifest.data
+        tg, dg = m["graphs"]["target"]["spec"], m["graphs"]["drafter_block"]["spec"]
+        self.target_kv = KVCache(tg["num_layers"], 0, tg["num_kv_heads"], tg["head_dim"], self.max_context, 256)
+        self.draft_kv = KVCache(dg["num_layers"], 0, dg["num_kv_heads"], dg["head_dim"], self.max_context, 256)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
 
     # -- public ------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams, on_token: Callable | None = None) -> int:
+        """Queue a request; returns its id. An invalid request is finished at once with
+        finish_reason "error" (its result says why) and never disturbs the others.
+
+        Args:
+            prompt: token ids.
+            params: sampling parameters.
+            on_token: called as on_token(request_id, new_token_ids, result) after each step that
+                commits tokens for this request (streaming); `result.finish_reason` is set when done.
+        """
+        with self._lock:
+            index, self._next_id = self._next_id, self._next_id + 1
+        result = GenerationResult()
+        result.stats.prompt_tokens = len(prompt)
+        seed = params.seed if isinstance(params.seed, int) and params.seed >= 0 else None
+        state = _State(index, np.asarray(list(prompt), np.int64), params,
+                       np.random.default_rng([seed if seed is not None else np.random.SeedSequence().entropy, index]),
+                       self.eos_ids | frozenset(params.stop_token_ids), result, on_token)
+        self._requests[index] = state
+        try:
+            self._check_request(prompt, params)
+        except RequestError as e:
+            result.finish_reason, result.error = "error", str(e)
+            self._finish(state)
+            return index
+        with self._lock:
+            self._waiting.append(state)
+        return index
+
+    def cancel(self, request_id: int) -> bool:
+        """Ask to stop a request; it finishes with finish_reason "cancelled" at the next step and its
+        slot is freed. Returns False if the request is unknown or already finished."""
+        state = self._requests.get(request_id)
+        if state is None or state.done:
+            return False
+        state.cancelled = True
+        return True
+
+    def result(self, request_id: int) -> GenerationResult:
+        return self._requests[request_id].result
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    def step(self) -> None:
+        """Admit waiting requests, then advance every admitted request by one step."""
+        self._drop_cancelled()
+        self._release_finished()      # a cancelled request's slot goes to the next waiting one
+        self._admit()
+        active = [s for s in self._slots if s is not None]
+        if active:
+            self._step(active)
+        self._release_finished()
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  on_finish: Callable[[int], None] | None = None) -> list[GenerationResult]:
-        """Generate for every prompt; a bad request fails alone (finish_reason "error").
+        """Generate for every prompt (continuous batching); a bad request fails alone.
 
         Args:
             prompts: token ids per request.
             params: sampling parameters per request (same length as prompts).
-            on_finish: called with a request's index when it finishes (progress reporting).
+            on_finish: called with the prompt's position when it finishes (progress reporting).
         Returns:
             one GenerationResult per prompt, in order.
         """
-        self._on_finish = on_finish or (lambda index: None)
-        results = [GenerationResult() for _ in prompts]
-        ok = []
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            try:
-                self._check_request(ids, p)
-                ok.append(i)
-            except RequestError as e:
-                results[i].finish_reason, results[i].error = "error", str(e)
-                results[i].stats.prompt_tokens = len(ids)
-                self._on_finish(i)
-        wave = self.engines.buckets("drafter_block")[-1]
-        for w in range(0, len(ok), wave):
-            self._run_wave([(i, prompts[i], params[i], results[i]) for i in ok[w:w + wave]])
-        return results
+        position: dict[int, int] = {}
 
-    # -- setup -------------------------------------------------------------------------------
+        def finished(request_id, tokens, result):
+            if result.finish_reason is not None and on_finish is not None:
+                on_finish(position[request_id])
+
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            position[self._next_id] = i  # the id submit is about to assign (single submitting thread)
+            rid = self.submit(p, sp, finished)
+            assert position.get(rid) == i
+        while self.has_work():
+            self.step()
+        return [self._requests.pop(rid).result for rid in position]
+
+    # -- admission and slots -----------------------------------------------------------------
     def _check_request(self, ids, p: SamplingParams) -> None:
         p.validate()
         if len(ids) == 0:
@@ -134,83 +220,106 @@ class Generator:
             raise RequestError(f"prompt: {len(ids)} tokens exceed the engine's context capacity "
                                f"{self.max_context} (prompt + at least 1 generated token)")
 
-    def _run_wave(self, items) -> None:
-        num_slots = self.engines.bucket_for("drafter_block", len(items))
-        m = self.engines.manifest.data
-        tg, dg = m["graphs"]["target"]["spec"], m["graphs"]["drafter_block"]["spec"]
-        start_cap = min(self.max_context, max(256, max(len(p) for _, p, _, _ in items) + 64))
-        self.target_kv = KVCache(tg["num_layers"], num_slots, tg["num_kv_heads"], tg["head_dim"],
-                                 self.max_context, start_cap)
-        self.draft_kv = KVCache(dg["num_layers"], num_slots, dg["num_kv_heads"], dg["head_dim"],
-                                self.max_context, start_cap)
-        self.num_slots = num_slots
-        states = []
-        for slot, (i, ids, p, res) in enumerate(items):
-            seed = p.seed if p.seed is not None else np.random.SeedSequence().entropy
-            res.stats.prompt_tokens = len(ids)
-            states.append(_State(i, slot, np.asarray(ids, np.int64), p, np.random.default_rng([seed, i]),
-                                 self.eos_ids | frozenset(p.stop_token_ids), res))
-        self._history = []
-        self._prefill(states)
-        while active := [s for s in states if not s.done]:
-            self._step(active)
-        del self.target_kv, self.draft_kv
+    def _admit(self) -> None:
+        with self._lock:
+            while self._waiting and sum(s is not None for s in self._slots) < self.max_slots:
+                state = self._waiting.popleft()
+                if None not in self._slots:
+                    self._resize(len(self._slots) + 1)
+                state.slot = self._slots.index(None)
+                self._slots[state.slot] = state
+                state.t0 = time.perf_counter()
 
-    # -- prefill -----------------------------------------------------------------------------
-    def _prefill(self, states: list[_State]) -> None:
-        """Run prompts through the target in packed chunks, then sample each first token."""
-        pending = list(states)
-        while pending:
-            budget, segments, finishing = self.max_tokens, [], []
-            for s in pending:
-                if budget == 0:
-                    break
-                n = min(budget, len(s.prompt) - s.prefilled)
-                last = s.prefilled + n == len(s.prompt)
-                segments.append(Segment(s.slot, s.prompt[s.prefilled:s.prefilled + n], s.prefilled,
-                                        "last" if last else "none"))
-                s.prefilled += n
-                budget -= n
-                if last:
-                    finishing.append(s)
-            packed, out = self._target_pass(segments)
-            self._commit(packed, out, {seg.slot: len(seg.token_ids) for seg in segments})
-            if finishing:
-                rows = {s.slot: out["logits"][packed.logit_start[s.slot]][None] for s in finishing}
-                _, next_ids = self._verify(finishing, rows, None, {s.slot: 0 for s in finishing})
-                for s in finishing:
-                    self._emit(s, [int(next_ids[s.slot])], rounds=0)
-            pending = [s for s in pending if s.prefilled < len(s.prompt)]
+    def _resize(self, needed: int) -> None:
+        """Move live requests into the smallest slot bucket ≥ `needed` (compacting them in order)."""
+        size = self.engines.bucket_for("drafter_block", max(1, needed))
+        live = [s for s in self._slots if s is not None]
+        moves = {s.slot: new for new, s in enumerate(live)}
+        self.target_kv.remap(size, moves)
+        self.draft_kv.remap(size, moves)
+        self._slots = live + [None] * (size - len(live))
+        for new, s in enumerate(live):
+            s.slot = new
+        self._history = []  # rows of lagged confidences no longer line up with requests
 
-    # -- one speculative step ----------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        for s in [s for s in self._slots if s is not None and s.cancelled and not s.done] + \
+                 [s for s in list(self._waiting) if s.cancelled]:
+            s.result.finish_reason = "cancelled"
+            self._finish(s)
+        with self._lock:
+            self._waiting = deque(s for s in self._waiting if not s.done)
+
+    def _release_finished(self) -> None:
+        for i, s in enumerate(self._slots):
+            if s is not None and s.done:
+                self._slots[i] = None
+                self.target_kv.reset(i)
+                self.draft_kv.reset(i)
+        live = sum(s is not None for s in self._slots)
+        if self._slots and self.engines.bucket_for("drafter_block", max(1, live)) < len(self._slots) \
+                and not self._waiting:
+            self._resize(live)
+
+    def _finish(self, s: _State, tokens: list[int] | None = None) -> None:
+        s.done = True
+        s.result.stats.wall_s = time.perf_counter() - s.t0
+        if s.on_token:
+            s.on_token(s.index, tokens or [], s.result)
+
+    # -- one step ----------------------------------------------------------------------------
     def _step(self, active: list[_State]) -> None:
-        drafts = self._draft(active) if self.policy.drafts else None
-        slots = np.array([s.slot for s in active], np.int64)
-        caps = np.array([max(0, min(self.block_size,
-                                    self.max_context - s.start - 1,                     # cache rows after the anchor
-                                    s.params.max_new_tokens - len(s.result.token_ids) - 1))  # drafts past max are waste
-                         for s in active], np.int64)
-        if drafts is None:
-            lens = np.zeros(len(active), np.int64)
-        else:
-            conf = drafts["confidence"][slots]
-            lens = self.policy.verify_lengths(conf, self.block_size, self.profile,
-                                              self._history[0] if len(self._history) == 2 else None, caps)
-            self._history = (self._history + [conf])[-2:]
-        verify_lens = {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}
+        """Draft → schedule → one packed target pass (verification rows + prefill chunks) → verify → commit."""
+        decoding = [s for s in active if s.decoding]
+        drafts = self._draft(decoding) if self.policy.drafts and decoding else None
+        verify_lens = self._schedule(decoding, drafts)
         segments = [Segment(s.slot, np.concatenate([[s.anchor], drafts["draft_ids"][s.slot, :verify_lens[s.slot]]])
-                            if drafts else np.array([s.anchor]), s.start) for s in active]
+                            if drafts else np.array([s.anchor]), s.start) for s in decoding]
+        budget = self.max_tokens - sum(len(seg.token_ids) for seg in segments)
+        finishing = []
+        for s in [s for s in active if not s.decoding]:
+            n = min(budget, len(s.prompt) - s.prefilled)
+            if n <= 0:
+                break
+            last = s.prefilled + n == len(s.prompt)
+            segments.append(Segment(s.slot, s.prompt[s.prefilled:s.prefilled + n], s.prefilled,
+                                    "last" if last else "none"))
+            s.prefilled, budget = s.prefilled + n, budget - n
+            finishing += [s] if last else []
         packed, out = self._target_pass(segments)
         rows = {s.slot: out["logits"][packed.logit_start[s.slot]:packed.logit_start[s.slot] + verify_lens[s.slot] + 1]
-                for s in active}
-        num_accepted, next_ids = self._verify(active, rows, drafts, verify_lens)
-        self._commit(packed, out, {s.slot: int(num_accepted[s.slot]) + 1 for s in active})
-        for s in active:
+                for s in decoding}
+        rows.update({s.slot: out["logits"][packed.logit_start[s.slot]][None] for s in finishing})
+        verify_lens.update({s.slot: 0 for s in finishing})
+        num_accepted, next_ids = self._verify(decoding + finishing, rows, drafts, verify_lens)
+        keep = {seg.slot: len(seg.token_ids) for seg in segments}          # prefill chunks: every row
+        keep.update({s.slot: int(num_accepted[s.slot]) + 1 for s in decoding})  # anchor + accepted drafts
+        self._commit(packed, out, keep)
+        for s in decoding:
             a = int(num_accepted[s.slot])
             s.result.stats.draft_tokens += verify_lens[s.slot]
             s.result.stats.accepted_tokens += a
             committed = [int(t) for t in drafts["draft_ids"][s.slot, :a]] if drafts else []
             self._emit(s, committed + [int(next_ids[s.slot])], rounds=1)
+        for s in finishing:
+            self._emit(s, [int(next_ids[s.slot])], rounds=0)
+
+    def _schedule(self, decoding: list[_State], drafts) -> dict[int, int]:
+        """Verify lengths ℓ per decoding slot, capped so a round never passes max_new_tokens or capacity."""
+        if not decoding:
+            return {}
+        slots = np.array([s.slot for s in decoding], np.int64)
+        caps = np.array([max(0, min(self.block_size,
+                                    self.max_context - s.start - 1,                     # cache rows after the anchor
+                                    s.params.max_new_tokens - len(s.result.token_ids) - 1))  # drafts past max are waste
+                         for s in decoding], np.int64)
+        if drafts is None:
+            return {int(slot): 0 for slot in slots}
+        conf = drafts["confidence"][slots]
+        lag = self._history[0] if len(self._history) == 2 else None
+        lens = self.policy.verify_lengths(conf, self.block_size, self.profile, lag, caps)
+        self._history = (self._history + [conf])[-2:]
+        return {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}
 
     def _emit(self, s: _State, tokens: list[int], rounds: int) -> None:
         """Append committed tokens, applying stop ids, max_new_tokens and capacity in order."""
@@ -232,8 +341,9 @@ class Generator:
         if not s.done and s.start >= self.max_context:
             s.done, s.result.finish_reason = True, "capacity"
         if s.done:
-            st.wall_s = time.perf_counter() - s.t0
-            self._on_finish(s.index)
+            self._finish(s, kept)
+        elif s.on_token:
+            s.on_token(s.index, kept, s.result)
 
     # -- engine calls ------------------------------------------------------------------------
     def _target_pass(self, segments: list[Segment]):

@@ -83,6 +83,23 @@ class KVCache:
     def reset(self, slot: int) -> None:
         self.lens[slot] = 0
 
+    def remap(self, num_slots: int, moves: dict[int, int]) -> None:
+        """Change the slot count to `num_slots`, moving slot `old` to `new` for each (old, new) in `moves`;
+        every other slot of the result is empty. O(cache) copy: done only when the batch crosses a
+        bucket boundary, not per step."""
+        lens = np.zeros(num_slots, np.int64)
+        shape = (num_slots, self.num_kv_heads, self.capacity, self.head_dim)
+        for layer in range(self.num_layers):
+            keys, values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+            for old, new in moves.items():
+                n = int(self.lens[old])
+                keys[new, :, :n] = self.keys[layer][old, :, :n]
+                values[new, :, :n] = self.values[layer][old, :, :n]
+            self.keys[layer], self.values[layer] = keys, values
+        for old, new in moves.items():
+            lens[new] = self.lens[old]
+        self.lens, self.num_slots = lens, num_slots
+
     def feed(self, key_name: str, value_name: str) -> dict[str, np.ndarray]:
         """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed."""
         feed = {}

@@ -82,7 +82,7 @@ class GenerationResult:
     """Outcome of one request: generated ids only (stop token included when it ended the request)."""
 
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = "length"   # "stop" | "length" | "capacity" | "error"
+    finish_reason: str | None = None   # None while running; "stop" | "length" | "capacity" | "error" | "cancelled"
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     text: str | None = None

@@ -1,0 +1,73 @@
+"""Continuous batching: arrivals mid-stream, queueing beyond the slot count, streaming, cancellation."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_export.runtime.generator import Generator
+from dspark_export.runtime.policies import parse_policy
+from dspark_export.runtime.request import SamplingParams
+
+from ..test_pipeline import BUCKETS, PROMPTS  # noqa: F401  (same tiny engine directory)
+from ..test_pipeline import engine_dir, runtime  # noqa: F401  (module fixtures)
+
+MORE = PROMPTS + [[11, 12, 13], [60] * 30, [200, 201, 202, 203], [9]]
+
+
+def _solo(rt, policy, prompt, n):
+    gen = Generator(rt.engines, parse_policy(policy))
+    return gen.generate([prompt], [SamplingParams(max_new_tokens=n)])[0].token_ids
+
+
+@pytest.mark.parametrize("policy", ["ar", "fixed:4", "dspark-async"])
+def test_arrivals_mid_stream_equal_solo_runs(runtime, policy):  # noqa: F811
+    gen = Generator(runtime.engines, parse_policy(policy), max_slots=3)  # fewer slots than requests: queueing
+    streamed: dict[int, list[int]] = {}
+    finished: list[int] = []
+
+    def on_token(rid, tokens, result):
+        streamed.setdefault(rid, []).extend(tokens)
+        if result.finish_reason is not None:
+            finished.append(rid)
+
+    ids, lengths = [], [20, 7, 25, 12, 18, 9, 30, 5]
+    for step, (prompt, n) in enumerate(zip(MORE, lengths)):
+        ids.append(gen.submit(prompt, SamplingParams(max_new_tokens=n), on_token))
+        for _ in range(step % 3):          # new requests arrive while others are mid-generation
+            gen.step()
+        assert gen.num_slots <= 4
+    while gen.has_work():
+        gen.step()
+    assert gen.num_slots <= 1  # compacted back down once the batch drained
+    for rid, prompt, n in zip(ids, MORE, lengths):
+        result = gen.result(rid)
+        assert result.token_ids == _solo(runtime, "ar", prompt, n), (policy, prompt)
+        assert streamed[rid] == result.token_ids
+    assert sorted(finished) == sorted(ids) and len(finished) == len(set(finished))
+
+
+def test_cancel_frees_the_slot_and_spares_the_others(runtime):  # noqa: F811
+    gen = Generator(runtime.engines, parse_policy("fixed:4"), max_slots=2)
+    a = gen.submit(MORE[0], SamplingParams(max_new_tokens=40))
+    b = gen.submit(MORE[1], SamplingParams(max_new_tokens=20))
+    c = gen.submit(MORE[2], SamplingParams(max_new_tokens=20))  # waits for a free slot
+    for _ in range(3):
+        gen.step()
+    assert gen.cancel(a) and not gen.cancel(12345)
+    partial = list(gen.result(a).token_ids)
+    while gen.has_work():
+        gen.step()
+    assert gen.result(a).finish_reason == "cancelled" and gen.result(a).token_ids == partial
+    assert not gen.cancel(a)
+    for rid, prompt in ((b, MORE[1]), (c, MORE[2])):
+        assert gen.result(rid).token_ids == _solo(runtime, "ar", prompt, 20)
+
+
+def test_invalid_request_fails_at_submit_without_touching_others(runtime):  # noqa: F811
+    gen = Generator(runtime.engines, parse_policy("fixed:4"))
+    ok = gen.submit(MORE[0], SamplingParams(max_new_tokens=10))
+    bad = gen.submit([], SamplingParams(max_new_tokens=10))
+    assert gen.result(bad).finish_reason == "error"
+    while gen.has_work():
+        gen.step()
+    assert gen.result(ok).token_ids == _solo(runtime, "ar", MORE[0], 10)
