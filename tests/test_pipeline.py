@@ -235,3 +235,15 @@ def test_fixed_k_beyond_the_block_size_is_refused(engine_dir):
     from dspark_export.errors import RequestError
     with pytest.raises(RequestError, match="exceeds this engine directory's block size 4"):
         Runtime.open(engine_dir, policy="fixed:9")
+
+
+def test_bucket_choice_prefers_a_faster_larger_engine(engine_dir):
+    from dspark_export.engines.engine_set import EngineSet
+    from dspark_export.runtime.scheduler import ThroughputProfile
+
+    engines = EngineSet.open(engine_dir, verify=False)
+    engines._latency_ms["target"] = {1: 5.0, 2: 9.0, 4: 7.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}
+    assert [engines.bucket_for("target", n) for n in (1, 2, 3, 4, 5)] == [1, 4, 4, 4, 8]
+    assert engines.runner_exact("target", 2).key.bucket == 2
+    profile = ThroughputProfile((1, 2, 4, 8), (200.0, 111.0, 142.0, 83.0))
+    assert [round(float(profile.sps(b))) for b in (1, 2, 3, 4, 8, 9)] == [200, 142, 142, 142, 83, 0]

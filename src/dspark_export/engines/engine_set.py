@@ -40,6 +40,21 @@ class EngineSet:
             self._buckets.setdefault(graph, []).append(bucket)
         for b in self._buckets.values():
             b.sort()
+        self._latency_ms: dict[str, dict[int, float]] = {}
+        self._load_profile_latencies()
+
+    def _load_profile_latencies(self) -> None:
+        """Median latency per bucket from profile/sps.json, when the directory has one."""
+        rel = self.manifest.data.get("profile", {}).get("path")
+        path = self.manifest.path_of(rel, "profile.path") if rel else None
+        if path is None or not path.is_file():
+            return
+        try:
+            sps = json.loads(path.read_text())
+            self._latency_ms = {"target": {int(r["B"]): float(r["median_ms"]) for r in sps["target"]},
+                                "drafter_block": {int(r["R"]): float(r["median_ms"]) for r in sps["drafter_block"]}}
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise EngineDirError(f"{path}: unreadable throughput profile ({e!r})") from e
 
     @classmethod
     def open(cls, engine_dir: Path, verify: bool = True, threads: int = 0) -> "EngineSet":
@@ -54,17 +69,27 @@ class EngineSet:
         return list(self._buckets.get(graph, []))
 
     def bucket_for(self, graph: str, size: int) -> int:
-        """Smallest bucket ≥ size. Raises RequestError when size exceeds the largest bucket."""
+        """The bucket that serves `size`: the smallest bucket ≥ size, or a larger one the profile
+        measured as faster (real latency curves are staircases with the odd dip; `target` only, since
+        the drafter block's R is also the KV slot count).
+
+        Raises:
+            RequestError: size exceeds the largest bucket.
+        """
         buckets = self._buckets.get(graph)
         if not buckets:
             raise EngineDirError(f"{self.manifest.root}: no engines for graph {graph!r}")
         i = bisect.bisect_left(buckets, size)
         if i == len(buckets):
             raise RequestError(f"graph {graph!r}: size {size} exceeds the largest bucket {buckets[-1]}")
+        latency = self._latency_ms.get(graph) if graph == "target" else None
+        if latency and all(b in latency for b in buckets[i:]):
+            return min(buckets[i:], key=lambda b: (latency[b], b))
         return buckets[i]
 
     def runner(self, graph: str, size: int) -> OrtRunner:
         return self._runners[(graph, self.bucket_for(graph, size))]
 
-    def runner_for_key(self, key: EngineKey) -> OrtRunner:
-        return self._runners[(key.graph, key.bucket)]
+    def runner_exact(self, graph: str, bucket: int) -> OrtRunner:
+        """The engine of exactly this bucket (the profiler times each one)."""
+        return self._runners[(graph, bucket)]

@@ -98,13 +98,13 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
     for b in engines.buckets("target"):
         if progress:
             progress(f"target B={b}")
-        stats = time_runner(engines.runner("target", b), _target_feed(target, b, context_len, block), warmup, repeats)
+        stats = time_runner(engines.runner_exact("target", b), _target_feed(target, b, context_len, block), warmup, repeats)
         rows_t.append({"B": b, **stats, "sps": round(1000.0 / stats["median_ms"], 3)})
     for r in engines.buckets("drafter_block"):
         if progress:
             progress(f"drafter R={r}")
         feed = _block_feed(graphs["drafter_block"]["spec"], r, context_len, block)
-        rows_d.append({"R": r, **time_runner(engines.runner("drafter_block", r), feed, warmup, repeats)})
+        rows_d.append({"R": r, **time_runner(engines.runner_exact("drafter_block", r), feed, warmup, repeats)})
     return {
         "context_len": context_len, "block_size": block, "warmup": warmup, "repeats": repeats,
         "layout": "R = ceil(B/(block_size+1)) requests, each verifying up to block_size+1 rows, logits for every row",

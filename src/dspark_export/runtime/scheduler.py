@@ -39,8 +39,10 @@ __all__ = ["ThroughputProfile", "survival_probs", "expected_throughput", "search
 class ThroughputProfile:
     """SPS(B): target steps per second per bucket of verification tokens B (profile/sps.json).
 
-    SPS(B) for any B is the SPS of the smallest bucket ≥ B, because the runtime pads a step of B
-    tokens up to that bucket; a B beyond the largest bucket cannot run and has SPS 0.
+    SPS(B) for any B is the best SPS among the buckets ≥ B, because the runtime pads a step of B
+    tokens up to the fastest engine that holds it (`EngineSet.bucket_for`; usually the smallest, but a
+    measured staircase can have a larger bucket that runs faster); a B beyond the largest bucket
+    cannot run and has SPS 0.
 
     Args:
         buckets: bucket sizes B in tokens, strictly increasing, each ≥ 1.
@@ -69,7 +71,8 @@ class ThroughputProfile:
         object.__setattr__(self, "steps_per_s", tuple(float(x) for x in s))
         # Padded lookup table: index len(b) (beyond the largest bucket) reads SPS 0.
         object.__setattr__(self, "_b", b)
-        object.__setattr__(self, "_s", np.append(s, 0.0))
+        # effective SPS: the fastest bucket at or above each one (suffix maximum)
+        object.__setattr__(self, "_s", np.append(np.maximum.accumulate(s[::-1])[::-1], 0.0))
         # SPS for every B = 0..max+1 (the last entry, 0, stands for every B beyond the largest bucket), so
         # the scheduler reads SPS(R..R+n) as one slice instead of a search per step.
         object.__setattr__(self, "_dense", self._s[np.searchsorted(b, np.arange(b[-1] + 2), side="left")])
