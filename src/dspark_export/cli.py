@@ -96,6 +96,11 @@ def _progress(msg: str, t0: float = time.perf_counter()) -> None:
 def cmd_build(args) -> int:
     from .pipeline import BuildConfig, build_engine_dir
 
+    if not args.verbose:  # our own stage lines say what is happening; keep the libraries' bars quiet
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
     cfg = BuildConfig(out=args.out, target=args.target, drafter=args.drafter, target_buckets=args.target_buckets,
                       request_buckets=args.request_buckets, max_context=args.max_context,
                       profile_context=args.profile_context, profile_repeats=args.profile_repeats,
