@@ -1,4 +1,4 @@
-"""Command line: `dspark-export build | generate | profile`.
+"""Command line: `dspark-export build | generate | profile | inspect`.
 
 Each command parses arguments and calls one stage function; errors print one line (the full trace
 with --verbose) and exit non-zero.
@@ -31,6 +31,11 @@ GENERATE_EXAMPLES = """examples:
 PROFILE_EXAMPLES = """examples:
   dspark-export profile --engine-dir engines/smollm2 --context 512 --repeats 20
 """
+INSPECT_EXAMPLES = """examples:
+  dspark-export inspect engines/smollm2                           # summary; exit 2 if a file is altered or unlisted
+  dspark-export inspect engines/smollm2 --json
+  dspark-export inspect engines/smollm2 --trt-compat              # exit 1 if a graph would not parse in TensorRT 10
+"""
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -42,7 +47,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.",
-                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES,
+                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + INSPECT_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -86,6 +91,15 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
     pr.add_argument("--context", type=int, default=128, help="past length in tokens (128)")
     pr.add_argument("--repeats", type=int, default=10, help="timed runs per bucket (10)")
+
+    i = sub.add_parser("inspect", help="summarise and verify an engine directory; check its graphs against TensorRT",
+                       epilog=INSPECT_EXAMPLES, formatter_class=fmt)
+    i.add_argument("dir", type=Path, help="an engine directory made by `build`")
+    i.add_argument("--trt-compat", action="store_true",
+                   help="check every node (function bodies and If branches included) against TensorRT's ONNX "
+                        "operator table; exit 1 if one would not parse")
+    i.add_argument("--trt-version", type=int, default=10, help="TensorRT major version to check against (10)")
+    i.add_argument("--json", action="store_true", help="one JSON object on stdout instead of tables")
     return p
 
 
@@ -197,19 +211,29 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    from .engines.inspect import inspect_engine_dir
+
+    report = inspect_engine_dir(args.dir, trt_compat=args.trt_compat, trt_version=args.trt_version)
+    print(json.dumps(report.to_dict()) if args.json else report.format_text())
+    return report.exit_code
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM (timeout, kill, docker stop) cleans up like Ctrl-C
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 success; 1 some prompts failed (each reported); 2 an error (one line on stderr;
+    """Exit codes: 0 success; 1 some prompts failed (each reported) or, for `inspect --trt-compat`, a graph
+    would not parse in TensorRT; 2 an error (one line on stderr;
     the trace with --verbose); 130 interrupted."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile}[args.command](args)
+        return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile,
+                "inspect": cmd_inspect}[args.command](args)
     except DsparkExportError as e:
         if args.verbose:
             raise

@@ -1,0 +1,366 @@
+"""`dspark-export inspect`: what an engine directory holds, whether it is intact, and (optionally) whether
+its graphs would import into TensorRT.
+
+`inspect_engine_dir` verifies the directory first (every manifest file present with its size and sha256,
+no file the manifest does not list), then reads the graphs without their weights
+(`onnx.load(..., load_external_data=False)`), the engine keys, the runtime settings, the throughput
+profile and the tokenizer files into one JSON-able summary. With `trt_compat` it runs
+`engines.trt_ops.check_model` over every graph. Nothing here prints; `InspectReport.format_text` renders
+the human-readable tables for the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from ..errors import EngineDirError
+from .manifest import MANIFEST_NAME, Manifest
+from .trt_ops import OPSET_RANGE, TABLE_SOURCE, TABLE_TRT_VERSION, Finding, check_model, our_plugins
+
+log = logging.getLogger(__name__)
+
+__all__ = ["InspectReport", "inspect_engine_dir"]
+
+
+@dataclass
+class InspectReport:
+    """The summary of one engine directory and, when asked for, its TensorRT findings.
+
+    Attributes:
+        summary: JSON-able summary (see `inspect_engine_dir`).
+        trt: JSON-able TensorRT section, or None when not asked for.
+        findings: the TensorRT findings (empty when not asked for).
+    """
+
+    summary: dict
+    trt: dict | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def blocking(self) -> list[Finding]:
+        return [f for f in self.findings if f.blocking]
+
+    @property
+    def exit_code(self) -> int:
+        """1 when a graph would not import into TensorRT (with our plugins), else 0."""
+        return 1 if self.trt is not None and self.blocking else 0
+
+    def to_dict(self) -> dict:
+        out = dict(self.summary)
+        if self.trt is not None:
+            out["trt_compat"] = self.trt
+        return out
+
+    def format_text(self) -> str:
+        return _format(self)
+
+
+def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int = 10) -> InspectReport:
+    """Summarise (and check) the engine directory at `root`.
+
+    Summary keys: dir, schema_version, tool, created_unix, source, plugins, integrity, graphs, engines,
+    buckets, runtime, profile, tokenizer, versions, build.
+
+    Raises:
+        EngineDirError: not an engine directory, a listed file missing or altered (size or sha256), a file
+            the manifest does not list, or a graph that is not readable ONNX. One line naming the file.
+        ConfigError: `trt_version` is not a tabled TensorRT major.
+    """
+    root = Path(root)
+    manifest = Manifest.load(root, verify=True)
+    _check_no_unlisted(manifest)
+    data = manifest.data
+    models = {name: _load_graph(manifest, name) for name in data["graphs"]}
+    files = data["files"]
+    summary = {
+        "dir": str(root),
+        "schema_version": data["schema_version"],
+        "tool": data.get("tool", {}),
+        "created_unix": data.get("created_unix"),
+        "source": data.get("source", {}),
+        "plugins": data.get("plugins", {}),
+        "integrity": {"verified": True, "files": len(files) + 1,
+                      "bytes": sum(int(f["bytes"]) for f in files.values())
+                      + (root / MANIFEST_NAME).stat().st_size},
+        "graphs": {name: _graph_summary(manifest, name, model) for name, model in models.items()},
+        "engines": _engines(manifest),
+        "buckets": data.get("buckets", {}),
+        "runtime": data["runtime"],
+        "profile": _profile(manifest),
+        "tokenizer": [{"path": rel, "bytes": info["bytes"]} for rel, info in sorted(files.items())
+                      if rel.startswith("tokenizer/")],
+        "versions": data.get("versions", {}),
+        "build": data.get("build", {}),
+    }
+    report = InspectReport(summary)
+    if trt_compat:
+        report.findings, report.trt = _trt_section(models, data["runtime"], trt_version)
+    return report
+
+
+# -- integrity -------------------------------------------------------------------------------------------
+
+def _check_no_unlisted(manifest: Manifest) -> None:
+    listed = set(manifest.data["files"])
+    for path in sorted(manifest.root.rglob("*")):
+        if path.is_dir():
+            continue
+        rel = path.relative_to(manifest.root).as_posix()
+        if rel != MANIFEST_NAME and rel not in listed:
+            raise EngineDirError(f"{manifest.root}: file {rel!r} is not listed in the manifest (an engine directory "
+                                 "holds only the files its manifest lists; remove it or rebuild)")
+
+
+def _load_graph(manifest: Manifest, name: str) -> onnx.ModelProto:
+    path = manifest.graph_path(name)
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except (DecodeError, OSError, ValueError) as e:
+        raise EngineDirError(f"{path}: graphs.{name}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+
+
+# -- summary pieces --------------------------------------------------------------------------------------
+
+def _value_info(vi: onnx.ValueInfoProto) -> dict:
+    tt = vi.type.tensor_type
+    shape = None
+    if tt.HasField("shape"):
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
+    dtype = onnx.TensorProto.DataType.Name(tt.elem_type).lower() if tt.elem_type else "?"
+    return {"name": vi.name, "dtype": dtype, "shape": shape}
+
+
+def _graph_summary(manifest: Manifest, name: str, model: onnx.ModelProto) -> dict:
+    entry = manifest.data["graphs"][name]
+    files = manifest.data["files"]
+    data_rel = entry.get("data")
+    return {
+        "path": entry["path"],
+        "bytes": files.get(entry["path"], {}).get("bytes"),
+        "data": data_rel,
+        "data_bytes": files.get(data_rel, {}).get("bytes") if data_rel else None,
+        "ir_version": model.ir_version,
+        "opset_imports": {(o.domain or "ai.onnx"): o.version for o in model.opset_import},
+        "nodes": len(model.graph.node),
+        "initializers": len(model.graph.initializer),
+        "functions": [{"name": f"{f.domain}::{f.name}", "overload": f.overload or None, "nodes": len(f.node)}
+                      for f in model.functions],
+        "inputs": [_value_info(v) for v in model.graph.input],
+        "outputs": [_value_info(v) for v in model.graph.output],
+    }
+
+
+def _engines(manifest: Manifest) -> dict:
+    out: dict[str, dict] = {}
+    for key in manifest.engine_keys():
+        e = out.setdefault(key.graph, {"backend": key.backend, "dim": key.dim, "buckets": []})
+        if (e["backend"], e["dim"]) != (key.backend, key.dim):  # a second backend: keep them apart
+            e = out.setdefault(f"{key.graph}@{key.backend}", {"backend": key.backend, "dim": key.dim, "buckets": []})
+        e["buckets"].append(key.bucket)
+    for e in out.values():
+        e["buckets"].sort()
+    return out
+
+
+def _profile(manifest: Manifest) -> dict | None:
+    entry = manifest.data.get("profile")
+    if not entry or not entry.get("path"):
+        return None
+    path = manifest.path_of(entry["path"], "profile.path")
+    try:
+        sps = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EngineDirError(f"{path}: profile: not readable JSON ({e})") from e
+    rows = [{k: row.get(k) for k in ("B", "median_ms", "p10_ms", "p90_ms", "sps")} for row in sps.get("target", [])]
+    return {"path": entry["path"], "context_len": sps.get("context_len"), "warmup": sps.get("warmup"),
+            "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.get("device", {}),
+            "target": rows, "warnings": list(sps.get("warnings", []))}
+
+
+# -- TensorRT ------------------------------------------------------------------------------------------
+
+def _trt_section(models: dict, runtime: dict, trt_version: int) -> tuple[list[Finding], dict]:
+    plugins = our_plugins()
+    dims = {"V": int(runtime["vocab_size"])}  # the contract's symbolic vocabulary dim
+    findings: list[Finding] = []
+    plugin_nodes: list[dict] = []
+    opsets = {}
+    for name, model in models.items():
+        findings += check_model(model, name, trt_major=trt_version, plugins=plugins, dims=dims,
+                                plugin_nodes=plugin_nodes)
+        opsets[name] = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    blocking = [f for f in findings if f.blocking]
+    return findings, {
+        "trt_version": trt_version,
+        "table": {"source": TABLE_SOURCE, "trt_version": TABLE_TRT_VERSION, "opset_range": list(OPSET_RANGE)},
+        "opsets": opsets,
+        "plugins": plugins,
+        "plugin_nodes": plugin_nodes,
+        "verdict": "unsupported" if blocking else "supported",
+        "counts": {"blocking": len(blocking),
+                   "fallback_errors": sum(f.severity == "error" and bool(f.fallback) for f in findings),
+                   "warnings": sum(f.severity == "warning" for f in findings)},
+        "findings": [f.to_dict() for f in findings],
+    }
+
+
+# -- text ---------------------------------------------------------------------------------------------
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _shape(v: dict) -> str:
+    return "[" + ",".join(str(d) for d in v["shape"]) + "]" if v["shape"] is not None else "[?]"
+
+
+def _group_io(values: list[dict]) -> list[list[str]]:
+    """One row per value; a per-layer family (`past_key.0` … `past_key.29`, possibly interleaved with another
+    family) of one dtype and shape folds into one row `past_key.{0..29}` at its first member's place."""
+    families: dict[tuple, list[int]] = {}
+    keys = []
+    for v in values:
+        m = re.fullmatch(r"(.*\.)(\d+)", v["name"])
+        key = (m.group(1), v["dtype"], str(v["shape"])) if m else (v["name"], None, None)
+        keys.append(key)
+        if m:
+            families.setdefault(key, []).append(int(m.group(2)))
+    rows, done = [], set()
+    for v, key in zip(values, keys):
+        idx = families.get(key)
+        if idx is not None and len(idx) > 1 and sorted(idx) == list(range(min(idx), max(idx) + 1)):
+            if key in done:
+                continue
+            done.add(key)
+            rows.append([f"{key[0]}{{{min(idx)}..{max(idx)}}}", v["dtype"], _shape(v)])
+        else:
+            rows.append([v["name"], v["dtype"], _shape(v)])
+    return rows
+
+
+def _buckets(b: list[int]) -> str:
+    return "{" + ",".join(str(x) for x in b) + "}"
+
+
+def _format(report: InspectReport) -> str:
+    s = report.summary
+    out: list[str] = []
+    tool = s.get("tool", {})
+    integ = s["integrity"]
+    out.append(f"engine directory  {s['dir']}")
+    out.append(f"  manifest schema {s['schema_version']}, built by {tool.get('name', '?')} {tool.get('version', '?')}; "
+               f"integrity ok: {integ['files']} files, {_size(integ['bytes'])}, sizes and sha256 match, "
+               "no unlisted files")
+    src = s.get("source", {})
+    t, d = src.get("target", {}), src.get("drafter", {})
+    tdesc = ", ".join(x for x in (t.get("model_type"), f"{t['num_layers']} layers" if "num_layers" in t else None,
+                                  "embedded default" if t.get("embedded_default") else None) if x)
+    out.append(f"  target   {t.get('path', '?')} ({tdesc})")
+    trained = "trained" if d.get("is_trained") else "NOT trained"
+    ddesc = ", ".join(f"{k} {d[k]}" for k in ("kind", "path", "seed", "num_layers", "block_size", "markov_rank")
+                      if d.get(k) is not None)
+    out.append(f"  drafter  {trained} ({ddesc}); target layers {d.get('target_layer_ids', '?')}")
+    r = s["runtime"]
+    out.append(f"  runtime  block_size {r['block_size']}, max_context {r['max_context']}, vocab {r['vocab_size']}, "
+               f"eos {r['eos_token_ids']}, mask token {r.get('mask_token_id', '-')}, "
+               f"chat template {'yes' if r.get('chat_template') else 'no'}, "
+               f"confidence temperature {r['confidence_temperature']}")
+
+    out.append("")
+    out.append("graphs")
+    rows = [["graph", "file", "size", "data", "nodes", "opsets", "functions"]]
+    for name, g in s["graphs"].items():
+        fns = ", ".join(f"{f['name']}{'[' + f['overload'] + ']' if f['overload'] else ''} ({f['nodes']} nodes)"
+                        for f in g["functions"]) or "-"
+        rows.append([name, g["path"], _size(g["bytes"]), _size(g["data_bytes"]) if g["data"] else "-",
+                     str(g["nodes"]), " ".join(f"{k} {v}" for k, v in g["opset_imports"].items()), fns])
+    out += _table(rows)
+    for name, g in s["graphs"].items():
+        out.append(f"  {name}: {len(g['inputs'])} inputs, {len(g['outputs'])} outputs")
+        io = [["in", *row] for row in _group_io(g["inputs"])] + [["out", *row] for row in _group_io(g["outputs"])]
+        out += _table(io, indent="    ")
+
+    out.append("")
+    out.append("engines")
+    rows = [["graph", "backend", "dim", "buckets"]]
+    rows += [[name, e["backend"], e["dim"], _buckets(e["buckets"])] for name, e in s["engines"].items()]
+    out += _table(rows)
+
+    out.append("")
+    p = s.get("profile")
+    if p is None:
+        out.append("profile  none recorded")
+    else:
+        out.append(f"profile  {p['path']}: context {p['context_len']} tokens, {p['warmup']} warm-up + {p['repeats']} "
+                   f"timed runs, {p.get('device', {}).get('backend', '?')} "
+                   f"{','.join(p.get('device', {}).get('providers', []))}")
+        rows = [["B", "median ms", "p10 ms", "p90 ms", "SPS"]]
+        rows += [[str(x["B"]), f"{x['median_ms']:.3f}", f"{x['p10_ms']:.3f}", f"{x['p90_ms']:.3f}", f"{x['sps']:.2f}"]
+                 for x in p["target"]]
+        out += _table(rows)
+        out += [f"  warning: {w}" for w in p["warnings"]] or ["  warnings: none"]
+
+    out.append("")
+    out.append("tokenizer  " + ", ".join(f"{t['path'].removeprefix('tokenizer/')} ({_size(t['bytes'])})"
+                                         for t in s["tokenizer"]))
+    out.append("versions   " + ", ".join(f"{k} {v}" for k, v in s.get("versions", {}).items()))
+    plug = s.get("plugins") or {}
+    out.append("plugins    " + (", ".join(f"{k} v{v}" for k, v in plug.items()) or "none"))
+
+    if report.trt is not None:
+        out.append("")
+        out += _format_trt(report)
+    return "\n".join(out)
+
+
+def _format_trt(report: InspectReport) -> list[str]:
+    trt = report.trt
+    lo, hi = trt["table"]["opset_range"]
+    out = [f"TensorRT {trt['trt_version']} compatibility (table: {trt['table']['source']})"]
+    for name, opset in trt["opsets"].items():
+        ok = opset is not None and lo <= opset <= hi
+        out.append(f"  {name}: opset {opset} {'inside' if ok else 'OUTSIDE'} the tabled range {lo}-{hi}")
+    for p in trt["plugin_nodes"]:
+        out.append(f"  plugin node {p['graph']}: {p['node']} -> {p['op']} v{p['version']} (our plugin; TensorRT must "
+                   f"have it registered, namespace = node domain on >= 10.10"
+                   f"{'; its ONNX function body is checked below as the fallback' if p['function_body'] else ''})")
+
+    def rows_of(fs: list[Finding]) -> list[str]:
+        rows = [["graph", "node", "op", "where", "reason"]]
+        rows += [[f.graph, f.node, f.op, f.scope or "graph", f.reason] for f in fs]
+        return _table(rows, indent="    ") if fs else ["    none"]
+
+    blocking = report.blocking
+    fallback = [f for f in report.findings if f.severity == "error" and f.fallback]
+    warnings = [f for f in report.findings if f.severity == "warning"]
+    out.append(f"  would not parse ({len(blocking)}):")
+    out += rows_of(blocking)
+    by_plugin: dict[str, list[Finding]] = {}
+    for f in fallback:
+        by_plugin.setdefault(f.fallback, []).append(f)
+    out.append(f"  fallback: errors inside plugin ONNX function bodies ({len(fallback)}; they apply only where the "
+               "plugin is not registered, or on TensorRT 10.0-10.6, which prefer the local function):")
+    out += rows_of(fallback)
+    out.append(f"  warnings ({len(warnings)}):")
+    out += rows_of(warnings)
+    out.append(f"  verdict: {trt['verdict']} on TensorRT {trt['trt_version']} with our plugins registered "
+               f"({len(blocking)} blocking; {len(fallback)} errors in plugin function bodies, which would block "
+               f"without the plugins; {len(warnings)} warnings)")
+    return out
