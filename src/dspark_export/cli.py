@@ -86,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
 
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from .bench import serve_cli
+
+    bs = bench.add_parser("serve", help="closed-loop serving benchmark (throughput vs per-user tokens/s)",
+                          epilog=serve_cli.EXAMPLES, formatter_class=fmt)
+    serve_cli.add_arguments(bs)
+
     pr = sub.add_parser("profile", help="re-measure the SPS(B) table of an engine directory",
                         epilog=PROFILE_EXAMPLES, formatter_class=fmt)
     pr.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
@@ -202,6 +209,13 @@ def cmd_generate(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import serve_cli
+
+    print(serve_cli.run(args, _progress))
+    return 0
+
+
 def cmd_profile(args) -> int:
     from .pipeline import reprofile
 
@@ -232,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile,
+        return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile, "bench": cmd_bench,
                 "inspect": cmd_inspect}[args.command](args)
     except DsparkExportError as e:
         if args.verbose:

@@ -1,0 +1,179 @@
+"""Serving benchmark on the tiny engine directory: closed-loop invariants, metrics, reports, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_export.bench import ServeBenchConfig, run_serve_bench, write_reports
+from dspark_export.bench.serve import _TimedPolicy
+from dspark_export.errors import ConfigError
+from dspark_export.runtime.generator import Generator
+
+from ..test_pipeline import BUCKETS, engine_dir  # noqa: F401  (module fixture: the tiny engine directory)
+
+POLICIES = ("ar", "fixed:1", "fixed:4", "dspark", "dspark-async")
+CONCURRENCY = (1, 3)
+MAX_NEW = 10
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def datasets_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eval_datasets")
+    (folder / "alpha.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in
+                                                ["What is 2+3?", "Say hi.", "Count to five", "Name a color"]))
+    (folder / "beta.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in
+                                               [["Write a poem", "Shorter."], ["def f(x):"], ["Why?"]]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bench(engine_dir, datasets_dir):  # noqa: F811
+    """One benchmark run with Generator.submit wrapped: in-flight requests counted per generator."""
+    gens: dict[int, dict] = {}
+    original = Generator.submit
+
+    def counting_submit(self, prompt, params, on_token=None):
+        count = gens.setdefault(id(self), {"gen": self, "live": 0, "max": 0, "submitted": 0})
+        count["live"] += 1
+        count["submitted"] += 1
+        count["max"] = max(count["max"], count["live"])
+
+        def wrapped(rid, tokens, result):
+            if result.finish_reason is not None:
+                count["live"] -= 1
+            if on_token is not None:
+                on_token(rid, tokens, result)
+        return original(self, prompt, params, wrapped)
+
+    cfg = ServeBenchConfig(engine_dir, concurrency=CONCURRENCY, policies=POLICIES, datasets=("alpha", "beta"),
+                           datasets_dir=datasets_dir, max_new_tokens=MAX_NEW, seed=3)
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Generator, "submit", counting_submit)
+        result = run_serve_bench(cfg, progress=lines.append)
+    measured = [c for c in gens.values() if isinstance(c["gen"].policy, _TimedPolicy)]
+    return cfg, result, measured, lines
+
+
+def test_result_keys_and_rows(bench):
+    cfg, result, _, lines = bench
+    assert {"config", "results", "engine_dir", "profile_context", "identity"} <= set(result)
+    assert result["profile_context"] == BUCKETS["profile_context"] and result["block_size"] == BUCKETS["block_size"]
+    assert [(r["policy"], r["concurrency"]) for r in result["results"]] == \
+        [(p, c) for p in POLICIES for c in CONCURRENCY]
+    keys = {"policy", "concurrency", "throughput_tokens_per_s", "per_user_tokens_per_s", "per_user_tokens_per_s_p50",
+            "per_user_tokens_per_s_p90", "mean_verify_len", "acceptance_length", "mean_step_ms", "scheduler_ms",
+            "scheduler_ratio", "requests", "identical"}
+    for row in result["results"]:
+        assert keys <= set(row), keys - set(row)
+        assert row["throughput_tokens_per_s"] > 0 and row["per_user_tokens_per_s"] > 0 and row["mean_step_ms"] > 0
+        assert row["per_user_tokens_per_s_p50"] <= row["per_user_tokens_per_s_p90"]
+        assert 0 < row["window_tokens"] <= row["output_tokens"] and row["window_s"] <= row["wall_s"]
+        assert row["acceptance_length"] >= 1.0
+    json.dumps(result)  # JSON-native throughout
+    assert len(lines) == 2 * len(result["results"])
+    sequence = result["prompts"]["sequence"]                # round-robin over the datasets, each shuffled
+    assert [s.split("#")[0] for s in sequence] == ["alpha", "beta"] * (len(sequence) // 2)
+    assert len(sequence) == max(cfg.requests_for(c) for c in CONCURRENCY)
+
+
+def test_closed_loop_invariants(bench):
+    cfg, result, measured, _ = bench
+    assert len(measured) == len(result["results"])          # one generator per (policy, C)
+    for count, row in zip(measured, result["results"]):
+        c, n = row["concurrency"], cfg.requests_for(row["concurrency"])
+        assert count["max"] == c, row            # exactly C in flight at peak, never more
+        assert count["submitted"] == n and count["live"] == 0
+        assert row["requests"] == n == max(4, 2 * c) and row["max_in_flight"] == c
+        assert sum(row["finish_reasons"].values()) == n
+        assert row["output_tokens"] <= n * MAX_NEW
+
+
+def test_policy_metrics(bench):
+    _, result, _, _ = bench
+    for row in result["results"]:
+        if row["policy"] == "ar":
+            assert row["mean_verify_len"] == 0 and row["acceptance_length"] == 1.0 and row["scheduler_ms"] == 0
+        else:
+            assert row["scheduler_ms"] > 0 and 0 < row["scheduler_ratio"] < 1
+        if row["policy"] == "fixed:1":
+            assert 0 < row["mean_verify_len"] <= 1
+        if row["policy"] == "fixed:4":
+            assert 1 < row["mean_verify_len"] <= 4
+        assert row["acceptance_length"] <= 1 + row["mean_verify_len"] + 1e-9
+
+
+def test_greedy_identity_for_every_policy(bench):
+    _, result, _, _ = bench
+    assert set(result["identity"]) == set(POLICIES)
+    for policy, check in result["identity"].items():
+        assert check["identical"] is True and check["checked"] == 2 * len(CONCURRENCY), policy
+    assert all(row["identical"] is True for row in result["results"])
+
+
+def test_write_reports(bench, tmp_path):
+    _, result, _, _ = bench
+    paths = write_reports(result, tmp_path / "reports")
+    for key in ("throughput_vs_per_user", "verify_len_vs_concurrency"):
+        data = paths[key].read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 2000, key
+    assert json.loads(paths["json"].read_text())["results"] == result["results"]
+    md = paths["markdown"].read_text()
+    assert "| policy | C |" in md and md.count("\n| dspark-async |") == len(CONCURRENCY)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(policies=("ar", "nope")), "policy: expected one of"),
+    (dict(policies=("fixed:0",)), "fixed:K"),
+    (dict(concurrency=(0, 2)), "concurrency: expected"),
+    (dict(concurrency=()), "concurrency: expected"),
+    (dict(datasets=("alpha", "missing")), r"missing\.jsonl"),
+    (dict(requests=2, concurrency=(1, 3)), "requests: .*at least C"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+])
+def test_bad_config_raises(engine_dir, datasets_dir, kwargs, match):  # noqa: F811
+    base = dict(concurrency=(1,), policies=("ar",), datasets=("alpha",), datasets_dir=datasets_dir)
+    with pytest.raises(ConfigError, match=match):
+        ServeBenchConfig(engine_dir, **{**base, **kwargs})
+
+
+def test_bad_engine_dir_and_datasets_dir(tmp_path, engine_dir, datasets_dir):  # noqa: F811
+    with pytest.raises(ConfigError, match="engine_dir: .*manifest.json"):
+        ServeBenchConfig(tmp_path / "nowhere", datasets_dir=datasets_dir, datasets=("alpha",))
+    with pytest.raises(ConfigError, match="datasets_dir"):
+        ServeBenchConfig(engine_dir, datasets_dir=tmp_path / "nope", datasets=("alpha",))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
+    cfg = ServeBenchConfig(engine_dir, concurrency=1, policies="ar", datasets="bad", datasets_dir=tmp_path,
+                           max_new_tokens=2)
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:1: .*'turns'"):
+        run_serve_bench(cfg)
+
+
+def test_policy_the_engine_cannot_run(engine_dir, datasets_dir):  # noqa: F811
+    cfg = ServeBenchConfig(engine_dir, concurrency=(1,), policies=("fixed:9",), datasets=("alpha",),
+                           datasets_dir=datasets_dir, max_new_tokens=2)
+    with pytest.raises(ConfigError, match="fixed:9 .*fixed:1..fixed:4"):
+        run_serve_bench(cfg)
+
+
+def test_script(engine_dir, datasets_dir, tmp_path, capsys):  # noqa: F811
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    common = ["--engine-dir", str(engine_dir), "--datasets", "alpha,beta", "--datasets-dir", str(datasets_dir)]
+    rc = script.main(common + ["--concurrency", "2", "--policies", "ar,fixed:2", "--requests", "2",
+                               "--max-new-tokens", "4", "--json", str(tmp_path / "r.json"),
+                               "--out-dir", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "| fixed:2 | 2 |" in out and "[ar C=2]" in err
+    assert len(json.loads((tmp_path / "r.json").read_text())["results"]) == 2
+    assert (tmp_path / "out" / "serve_throughput_vs_per_user.png").stat().st_size > 0
+    assert script.main(common + ["--policies", "bogus"]) == 2
+    assert "error: policy: expected one of" in capsys.readouterr().err
