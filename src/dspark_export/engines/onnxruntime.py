@@ -14,7 +14,6 @@ added ~11 MB each and ran no slower on this CPU).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Mapping
@@ -89,37 +88,32 @@ class WeightStore:
         return sum(a.nbytes for a in self._arrays.values())
 
 
-_GLOBAL_POOL: dict = {}
+#: graphs small enough to run on the calling thread (no intra-op pool, nothing left spinning)
+SINGLE_THREAD_GRAPHS = ("drafter_context", "verify")
 
 
-def _use_global_thread_pool(threads: int) -> bool:
-    """Make every session of this process share one intra-op thread pool (set once per process).
+def thread_settings(graph: str, threads: int = 0) -> dict:
+    """Intra-op threading per graph: {"intra_op_num_threads": n, "allow_spinning": bool}.
 
-    Why: each ORT session otherwise owns a pool whose threads spin after each run; with ~20 bucket
-    sessions alternating (drafter, target, verify) the idle pools spin against the busy one. Measured
-    on 2 cores, SmolLM2 greedy: ar 14 → 24-29 tokens/s, fixed:7 5 → 12-14 tokens/s.
-    The pool is configured through onnxruntime's pybind module (the only Python entry point); where that
-    fails, sessions keep their own pools with spinning off (logged once).
+    Why: every ORT session owns an intra-op pool whose threads spin after each run. With ~28 bucket
+    sessions alternating (drafter, target, verify) on 2 cores, idle pools spun against the busy one
+    (SmolLM2 greedy: ar 14 tokens/s, fixed:7 5 tokens/s). Measured on the same prompt: only the
+    target keeps spinning threads (it dominates the step); the drafter block's pool does not spin;
+    drafter_context and verify run on the calling thread: ar 24-28, fixed:7 12 tokens/s, the same as
+    one process-wide pool, which we avoid because it forbids per-session pools for every other ORT
+    user in the process.
     """
-    if "ok" not in _GLOBAL_POOL:
-        try:
-            from onnxruntime.capi import _pybind_state
-
-            _pybind_state.set_global_thread_pool_sizes(int(threads or os.cpu_count() or 1), 1)
-            _GLOBAL_POOL["ok"] = True
-        except (AttributeError, RuntimeError) as e:
-            log.warning("onnxruntime: no global thread pool (%s); using per-session pools without spinning", e)
-            _GLOBAL_POOL["ok"] = False
-    return _GLOBAL_POOL["ok"]
+    if graph in SINGLE_THREAD_GRAPHS:
+        return {"intra_op_num_threads": 1, "allow_spinning": False}
+    return {"intra_op_num_threads": int(threads), "allow_spinning": graph == "target"}
 
 
-def session_options(overrides: Mapping[str, int], threads: int = 0) -> ort.SessionOptions:
+def session_options(overrides: Mapping[str, int], threads: int = 0, graph: str = "target") -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    if _use_global_thread_pool(threads):
-        so.use_per_session_threads = False
-    else:
-        so.intra_op_num_threads = threads
+    settings = thread_settings(graph, threads)
+    so.intra_op_num_threads = settings["intra_op_num_threads"]
+    if not settings["allow_spinning"]:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.disable_prepacking", "1")
@@ -132,7 +126,7 @@ def engine_spec(key: EngineKey, graph_rel: str) -> dict:
     """The JSON written to engines/onnxruntime/<key>.json."""
     return {"key": key.to_dict(), "graph": graph_rel, "free_dimension_overrides": {key.dim: key.bucket},
             "graph_optimization_level": "ORT_ENABLE_ALL", "session_config": {"session.disable_prepacking": "1"},
-            "providers": ["CPUExecutionProvider"]}
+            "threads": thread_settings(key.graph), "providers": ["CPUExecutionProvider"]}
 
 
 class OrtRunner:
@@ -153,7 +147,7 @@ class OrtRunner:
 
     def activate(self) -> "OrtRunner":
         if self.session is None:
-            so = session_options({self.key.dim: self.key.bucket}, self.threads)
+            so = session_options({self.key.dim: self.key.bucket}, self.threads, self.key.graph)
             for name in self.weights.names_for(self.graph_path):
                 so.add_initializer(name, self.weights.value(name))
             try:
