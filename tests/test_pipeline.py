@@ -247,3 +247,16 @@ def test_bucket_choice_prefers_a_faster_larger_engine(engine_dir):
     assert engines.runner_exact("target", 2).key.bucket == 2
     profile = ThroughputProfile((1, 2, 4, 8), (200.0, 111.0, 142.0, 83.0))
     assert [round(float(profile.sps(b))) for b in (1, 2, 3, 4, 8, 9)] == [200, 142, 142, 142, 83, 0]
+
+
+def test_build_settings_are_checked_before_work(tiny_target_dir, tmp_path):
+    from dspark_export.errors import ConfigError
+
+    base = {**BUCKETS, "target": str(tiny_target_dir), "drafter": "untrained"}
+    with pytest.raises(ConfigError, match="max_position_embeddings 512, found 1024"):
+        build_engine_dir(BuildConfig(out=tmp_path / "a", **{**base, "max_context": 1024}))
+    with pytest.raises(ConfigError, match="profile_context"):
+        BuildConfig(out=tmp_path / "b", **{**base, "profile_context": 500})
+    with pytest.raises(ConfigError, match="profile_repeats"):
+        BuildConfig(out=tmp_path / "c", **{**base, "profile_repeats": 0})
+    assert not any(tmp_path.iterdir())
