@@ -260,3 +260,14 @@ def test_build_settings_are_checked_before_work(tiny_target_dir, tmp_path):
     with pytest.raises(ConfigError, match="profile_repeats"):
         BuildConfig(out=tmp_path / "c", **{**base, "profile_repeats": 0})
     assert not any(tmp_path.iterdir())
+
+
+def test_build_sweeps_partials_of_dead_processes(tiny_target_dir, tmp_path):
+    dead = tmp_path / ".eng.partial-999999999-abc"
+    alive = tmp_path / f".eng.partial-{__import__('os').getpid()}-xyz"
+    for d in (dead, alive):
+        d.mkdir()
+        (d / "graphs").mkdir()
+    build_engine_dir(BuildConfig(out=tmp_path / "eng", target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
+    assert not dead.exists() and alive.exists()
+    assert Manifest.load(tmp_path / "eng").runtime["block_size"] == 4

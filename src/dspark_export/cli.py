@@ -191,13 +191,13 @@ def cmd_generate(args) -> int:
     bar.close()
     results = [next(done) if err is None else GenerationResult(finish_reason="error", error=err, text="")
                for _, err in items]
-    for (prompt, err), r in zip(items, results):
+    for n, ((prompt, err), r) in enumerate(zip(items, results), 1):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": r.text, "token_ids": r.token_ids,
                               "finish_reason": r.finish_reason, "error": r.error, "policy": str(rt.policy),
                               "stats": r.stats.to_dict()}, ensure_ascii=False), flush=True)
         elif r.error:
-            print(f"error: {r.error}", file=sys.stderr)
+            print(f"prompt {n}: error: {r.error}", file=sys.stderr)
         else:
             print(r.text, flush=True)
             s = r.stats

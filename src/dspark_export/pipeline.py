@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import psutil
 
 from . import __version__
 from .engines.engine_set import EngineSet
@@ -108,7 +109,8 @@ def build_engine_dir(cfg: BuildConfig, progress: Progress | None = None) -> Buil
     out = Path(cfg.out)
     check_output_dir(out, cfg.overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    _sweep_stale_partials(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
         result = _build_into(cfg, tmp, say)
         _make_readable(tmp)
@@ -118,6 +120,19 @@ def build_engine_dir(cfg: BuildConfig, progress: Progress | None = None) -> Buil
         raise
     result.out, result.manifest_path = out, out / "manifest.json"
     return result
+
+
+def _sweep_stale_partials(out: Path) -> None:
+    """Remove `.<name>.partial-<pid>-*` folders left by builds that were killed (SIGKILL, power loss):
+    only those whose process no longer exists, so a concurrent build of the same name is untouched."""
+    for stale in out.parent.glob(f".{out.name}.partial-*"):
+        try:
+            pid = int(stale.name[len(f".{out.name}.partial-"):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not psutil.pid_exists(pid):
+            log.warning("removing %s left by an interrupted build (process %d is gone)", stale, pid)
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:
