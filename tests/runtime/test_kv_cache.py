@@ -35,3 +35,4 @@ def test_capacity_limit():
     k, v = _rows(5, layers=1, heads=1, dim=1)
     with pytest.raises(ValueError, match="capacity 4"):
         cache.append(np.zeros(5, np.int64), k, v)
+

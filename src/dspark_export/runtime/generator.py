@@ -299,6 +299,7 @@ class Generator:
             a = int(num_accepted[s.slot])
             s.result.stats.draft_tokens += verify_lens[s.slot]
             s.result.stats.accepted_tokens += a
+            s.result.stats.observe_round(verify_lens[s.slot], a)
             committed = [int(t) for t in drafts["draft_ids"][s.slot, :a]] if drafts else []
             self._emit(s, committed + [int(next_ids[s.slot])], rounds=1)
         for s in finishing:

@@ -61,6 +61,22 @@ class RequestStats:
     draft_tokens: int = 0        # drafts sent to verification
     accepted_tokens: int = 0     # drafts accepted
     wall_s: float = 0.0
+    #: per draft position j: rounds that verified position j with drafts 0..j-1 accepted ("reached"),
+    #: and rounds whose draft j was accepted. Conditional acceptance at j = accepted[j] / reached[j]
+    #: (paper Fig. 2); vLLM's num_accepted_tokens_per_pos is `accepted_per_position`.
+    reached_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe_round(self, verify_len: int, num_accepted: int) -> None:
+        """Record one verification round's per-position outcome."""
+        reached = min(verify_len, num_accepted + 1)
+        need = max(verify_len, len(self.reached_per_position))
+        self.reached_per_position += [0] * (need - len(self.reached_per_position))
+        self.accepted_per_position += [0] * (need - len(self.accepted_per_position))
+        for j in range(reached):
+            self.reached_per_position[j] += 1
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
 
     @property
     def acceptance_length(self) -> float:
