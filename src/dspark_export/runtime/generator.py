@@ -1,11 +1,13 @@
-"""The speculative loop over an engine directory's engines (batch of requests, one slot each).
+"""The speculative loop over an engine directory's engines, with continuous batching.
 
-One step for the active requests (paper §2, §3; DeepSpec spec §2.3-2.6):
+Requests are submitted at any time and admitted into KV slots. One step for the admitted requests
+(paper §2, §3; DeepSpec spec §2.3-2.6):
 
 1. draft: the drafter block engine proposes γ tokens per request (skipped by `ar`);
 2. schedule: the policy picks verify lengths ℓ_r (0..γ);
-3. verify: one packed target pass over [anchor, draft_1..draft_ℓ] of every request, then the
-   `SpeculativeVerify` engine accepts a prefix and draws the recovered/bonus token;
+3. verify: one packed target pass over [anchor, draft_1..draft_ℓ] of every decoding request plus
+   prefill chunks of newly admitted ones, then the `SpeculativeVerify` engine accepts a prefix and
+   draws the recovered/bonus token (and the first token of requests whose prefill just ended);
 4. commit: the target KV and the drafter context advance by accepted+1 rows (the anchor and the
    accepted drafts); rejected rows are never written; the recovered/bonus token is the next anchor;
 5. stop on EOS/stop ids, exactly max_new_tokens, or the engine's context capacity.
@@ -27,12 +29,12 @@ from typing import Callable
 import numpy as np
 
 from ..engines.engine_set import EngineSet
+from ..engines.packing import Segment, pack_segments
 from ..errors import EngineDirError, RequestError
 from .kv_cache import KVCache
-from ..engines.packing import Segment, pack_segments
 from .policies import Policy
-from .scheduler import ThroughputProfile
 from .request import GenerationResult, SamplingParams
+from .scheduler import ThroughputProfile
 
 log = logging.getLogger(__name__)
 
