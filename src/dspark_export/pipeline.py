@@ -219,8 +219,7 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     manifest.data["profile"] = {"path": "profile/sps.json", "context_len": cfg.profile_context,
                                 "warnings": profile["warnings"]}
     manifest.data["build"] = {"seconds": {k: round(v, 2) for k, v in seconds.items()}}
-    manifest.data["files"] = {}
-    manifest.record_files(_all_files(root))
+    manifest.record_files(["profile/sps.json"])  # everything else was hashed before profiling and is unchanged
     manifest.save()
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     return BuildResult(root, root / "manifest.json", seconds, profile, size)

@@ -41,8 +41,8 @@ from typing import Callable
 from ..errors import ConfigError, RequestError
 from ..runtime.generator import Generator
 from ..runtime.policies import parse_policy
-from ..runtime.request import MAX_NEW_TOKENS_LIMIT, SamplingParams
-from .serve import _as_tuple, _dedupe, _is_int, _read_dataset, default_datasets_dir
+from ..runtime.request import SamplingParams
+from .common import check_datasets, check_engine_dir, check_generation, is_int, read_dataset
 
 __all__ = ["AcceptanceBenchConfig", "run_acceptance_bench", "write_reports", "markdown_table",
            "DEFAULT_DATASETS", "DOMAINS", "DEFAULT_SEED", "domain_of"]
@@ -95,12 +95,7 @@ class AcceptanceBenchConfig:
 
     def __post_init__(self):
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
-        engine_dir = Path(self.engine_dir)
-        if not (engine_dir / "manifest.json").is_file():
-            raise ConfigError(f"engine_dir: expected a built engine directory with a manifest.json, found "
-                              f"{engine_dir} ({'no manifest.json' if engine_dir.is_dir() else 'no such directory'}); "
-                              f"build one with `dspark-export build --out {engine_dir}`")
-        put("engine_dir", engine_dir)
+        put("engine_dir", check_engine_dir(self.engine_dir))
 
         if self.policy is not None:
             try:
@@ -112,38 +107,13 @@ class AcceptanceBenchConfig:
                                   f"fixed:K (default fixed:γ), found {self.policy!r} (no scheduler, no ar)")
             put("policy", str(pol))
 
-        datasets = _as_tuple(self.datasets, "datasets")
-        if not datasets or not all(isinstance(d, str) and d.strip() for d in datasets):
-            raise ConfigError(f"datasets: expected a non-empty list of dataset names, found {list(datasets)}")
-        put("datasets", _dedupe(d.strip().removesuffix(".jsonl") for d in datasets))
-        folder = self.datasets_dir if self.datasets_dir is not None else default_datasets_dir()
-        if folder is None:
-            raise ConfigError("datasets_dir: required (no eval_datasets folder found at ../shared/eval_datasets "
-                              "relative to the repository root)")
-        folder = Path(folder)
-        if not folder.is_dir():
-            raise ConfigError(f"datasets_dir: expected a folder of <name>.jsonl files, found {folder} "
-                              f"(no such directory)")
+        datasets, folder = check_datasets(self.datasets, self.datasets_dir)
+        put("datasets", datasets)
         put("datasets_dir", folder)
-        missing = [d for d in self.datasets if not (folder / f"{d}.jsonl").is_file()]
-        if missing:
-            available = sorted(p.stem for p in folder.glob("*.jsonl"))
-            raise ConfigError(f"datasets: no file {', '.join(str(folder / f'{d}.jsonl') for d in missing)}; "
-                              f"available in {folder}: {available or 'none'}")
-
-        if not _is_int(self.samples) or self.samples < 1:
+        if not is_int(self.samples) or self.samples < 1:
             raise ConfigError(f"samples: expected an integer >= 1, found {self.samples!r}")
-        if not _is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise ConfigError(f"max_new_tokens: expected an integer in [1, {MAX_NEW_TOKENS_LIMIT}], "
-                              f"found {self.max_new_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"temperature: expected a finite number >= 0, found {self.temperature!r}")
-        put("temperature", float(self.temperature))
-        for name in ("seed", "threads"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ConfigError(f"{name}: expected an integer >= 0, found {value!r}")
+        put("temperature", check_generation(self.max_new_tokens, self.temperature, seed=self.seed,
+                                            threads=self.threads))
 
     def to_dict(self) -> dict:
         return {"engine_dir": str(self.engine_dir), "datasets": list(self.datasets),
@@ -173,7 +143,7 @@ def _mean(values) -> float | None:
 
 def _run_dataset(name: str, cfg: AcceptanceBenchConfig, engines, policy, encode, limit: int,
                  block_size: int, solo: Generator | None) -> dict:
-    texts = _read_dataset(cfg.datasets_dir / f"{name}.jsonl")
+    texts = read_dataset(cfg.datasets_dir / f"{name}.jsonl")
     rows, prompts, skipped = [], [], []
     for k in select_rows(texts, cfg.samples, cfg.seed):
         ids = encode(texts[k])
@@ -260,7 +230,7 @@ def run_acceptance_bench(cfg: AcceptanceBenchConfig, progress: Callable[[str], N
     greedy = cfg.temperature == 0.0
     solo = Generator(engines, parse_policy("ar")) if greedy else None
     if cfg.warmup:
-        first = _read_dataset(cfg.datasets_dir / f"{cfg.datasets[0]}.jsonl")[0]
+        first = read_dataset(cfg.datasets_dir / f"{cfg.datasets[0]}.jsonl")[0]
         ids = encode(first)[:max(1, min(limit, max_context - WARMUP_TOKENS))]
         Generator(engines, policy).generate([ids], [SamplingParams(max_new_tokens=WARMUP_TOKENS)])
 

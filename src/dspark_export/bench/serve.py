@@ -35,7 +35,6 @@ Usage:
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,38 +46,16 @@ import numpy as np
 from ..errors import ConfigError, RequestError
 from ..runtime.generator import Generator
 from ..runtime.policies import Policy, parse_policy
-from ..runtime.request import MAX_NEW_TOKENS_LIMIT, SamplingParams
+from ..runtime.request import SamplingParams
+from .common import as_tuple, check_datasets, check_engine_dir, check_generation, dedupe, is_int, read_dataset
 
-__all__ = ["ServeBenchConfig", "run_serve_bench", "write_reports", "default_datasets_dir",
+__all__ = ["ServeBenchConfig", "run_serve_bench", "write_reports",
            "DEFAULT_CONCURRENCY", "DEFAULT_POLICIES", "DEFAULT_DATASETS"]
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16)
 DEFAULT_POLICIES = ("ar", "fixed:1", "fixed:7", "dspark", "dspark-async")
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 WARMUP_TOKENS = 8
-
-
-def default_datasets_dir() -> Path | None:
-    """`../shared/eval_datasets` relative to the repository root (the project's layout), if it exists."""
-    candidate = Path(__file__).resolve().parents[3].parent / "shared" / "eval_datasets"
-    return candidate if candidate.is_dir() else None
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _as_tuple(value, name: str) -> tuple:
-    if isinstance(value, (str, bytes)) or _is_int(value):
-        return (value,)
-    try:
-        return tuple(value)
-    except TypeError:
-        raise ConfigError(f"{name}: expected a list, found {value!r}") from None
-
-
-def _dedupe(items) -> tuple:
-    return tuple(dict.fromkeys(items))
 
 
 @dataclass(frozen=True)
@@ -117,19 +94,14 @@ class ServeBenchConfig:
 
     def __post_init__(self):
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
-        engine_dir = Path(self.engine_dir)
-        if not (engine_dir / "manifest.json").is_file():
-            raise ConfigError(f"engine_dir: expected a built engine directory with a manifest.json, found "
-                              f"{engine_dir} ({'no manifest.json' if engine_dir.is_dir() else 'no such directory'}); "
-                              f"build one with `dspark-export build --out {engine_dir}`")
-        put("engine_dir", engine_dir)
+        put("engine_dir", check_engine_dir(self.engine_dir))
 
-        concurrency = _as_tuple(self.concurrency, "concurrency")
-        if not concurrency or not all(_is_int(c) and c >= 1 for c in concurrency):
+        concurrency = as_tuple(self.concurrency, "concurrency")
+        if not concurrency or not all(is_int(c) and c >= 1 for c in concurrency):
             raise ConfigError(f"concurrency: expected a non-empty list of integers >= 1, found {list(concurrency)}")
-        put("concurrency", _dedupe(int(c) for c in concurrency))
+        put("concurrency", dedupe(int(c) for c in concurrency))
 
-        policies = _as_tuple(self.policies, "policies")
+        policies = as_tuple(self.policies, "policies")
         if not policies:
             raise ConfigError("policies: expected at least one policy, found none")
         parsed = []
@@ -138,10 +110,10 @@ class ServeBenchConfig:
                 parsed.append(str(parse_policy(p)))
             except RequestError as e:
                 raise ConfigError(str(e)) from None
-        put("policies", _dedupe(parsed))
+        put("policies", dedupe(parsed))
 
         if self.requests is not None:
-            if not _is_int(self.requests) or self.requests < 1:
+            if not is_int(self.requests) or self.requests < 1:
                 raise ConfigError(f"requests: expected an integer >= 1 or None (= max(4, 2·C)), "
                                   f"found {self.requests!r}")
             if self.requests < max(self.concurrency):
@@ -149,36 +121,11 @@ class ServeBenchConfig:
                                   f"{max(self.concurrency)} (the largest concurrency), found {self.requests}")
             put("requests", int(self.requests))
 
-        datasets = _as_tuple(self.datasets, "datasets")
-        if not datasets or not all(isinstance(d, str) and d.strip() for d in datasets):
-            raise ConfigError(f"datasets: expected a non-empty list of dataset names, found {list(datasets)}")
-        put("datasets", _dedupe(d.strip().removesuffix(".jsonl") for d in datasets))
-        folder = self.datasets_dir if self.datasets_dir is not None else default_datasets_dir()
-        if folder is None:
-            raise ConfigError("datasets_dir: required (no eval_datasets folder found at ../shared/eval_datasets "
-                              "relative to the repository root)")
-        folder = Path(folder)
-        if not folder.is_dir():
-            raise ConfigError(f"datasets_dir: expected a folder of <name>.jsonl files, found {folder} "
-                              f"(no such directory)")
+        datasets, folder = check_datasets(self.datasets, self.datasets_dir)
+        put("datasets", datasets)
         put("datasets_dir", folder)
-        missing = [d for d in self.datasets if not (folder / f"{d}.jsonl").is_file()]
-        if missing:
-            available = sorted(p.stem for p in folder.glob("*.jsonl"))
-            raise ConfigError(f"datasets: no file {', '.join(str(folder / f'{d}.jsonl') for d in missing)}; "
-                              f"available in {folder}: {available or 'none'}")
-
-        if not _is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise ConfigError(f"max_new_tokens: expected an integer in [1, {MAX_NEW_TOKENS_LIMIT}], "
-                              f"found {self.max_new_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"temperature: expected a finite number >= 0, found {self.temperature!r}")
-        put("temperature", float(self.temperature))
-        for name in ("seed", "identity_checks", "threads"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ConfigError(f"{name}: expected an integer >= 0, found {value!r}")
+        put("temperature", check_generation(self.max_new_tokens, self.temperature, seed=self.seed,
+                                            identity_checks=self.identity_checks, threads=self.threads))
 
     def requests_for(self, concurrency: int) -> int:
         """Completed requests of the (policy, C) run: `requests`, or max(4, 2·C)."""
@@ -195,26 +142,6 @@ class ServeBenchConfig:
 
 
 # -- prompts -----------------------------------------------------------------------------------
-def _read_dataset(path: Path) -> list[str]:
-    """First turns of a {"turns": [...]} JSONL file."""
-    texts = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                turns = json.loads(line)["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ConfigError(f"{path}:{n}: expected a JSON object with a 'turns' list ({e!r})") from None
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
-                raise ConfigError(f"{path}:{n}: expected 'turns' to be a list whose first item is a non-empty "
-                                  f"string, found {str(turns)[:80]!r}")
-            texts.append(turns[0])
-    if not texts:
-        raise ConfigError(f"{path}: expected at least one prompt, found an empty file")
-    return texts
-
-
 class _Prompts:
     """The seeded round-robin prompt sequence, encoded lazily; prompts that cannot fit
     prompt + max_new_tokens in the engine's context are skipped (counted)."""
@@ -223,7 +150,7 @@ class _Prompts:
         self.names = list(cfg.datasets)
         self.texts = {}
         for i, name in enumerate(self.names):
-            texts = _read_dataset(cfg.datasets_dir / f"{name}.jsonl")
+            texts = read_dataset(cfg.datasets_dir / f"{name}.jsonl")
             order = np.random.default_rng([cfg.seed, i]).permutation(len(texts))
             self.texts[name] = [(int(j), texts[j]) for j in order]   # (line index among prompts, text)
         self.encode, self.limit = encode, max_context - cfg.max_new_tokens

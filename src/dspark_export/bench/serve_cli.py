@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Callable
 
+from .common import add_common_arguments, csv_list, int_list, write_outputs
 from .serve import (DEFAULT_CONCURRENCY, DEFAULT_DATASETS, DEFAULT_POLICIES, ServeBenchConfig, markdown_table,
                     run_serve_bench, write_reports)
 
@@ -17,38 +16,17 @@ EXAMPLES = """examples:
 """
 
 
-def _csv(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(item) for item in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {text!r}") from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bench serve` flags (shared by `dspark-export bench serve` and scripts/bench_serve.py)."""
-    parser.add_argument("--engine-dir", required=True, type=Path, help="a built engine directory")
-    parser.add_argument("--concurrency", type=_ints, default=list(DEFAULT_CONCURRENCY),
+    add_common_arguments(parser, datasets=DEFAULT_DATASETS, max_new_tokens=128, seed=0,
+                         warmup_help="skip the unmeasured warm-up before each run",
+                         out_help="write JSON, markdown and PNG plots here")
+    parser.add_argument("--concurrency", type=int_list, default=list(DEFAULT_CONCURRENCY),
                         help="comma-separated concurrency levels C (default 1,2,4,8,16)")
-    parser.add_argument("--policies", type=_csv, default=list(DEFAULT_POLICIES),
+    parser.add_argument("--policies", type=csv_list, default=list(DEFAULT_POLICIES),
                         help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)})")
     parser.add_argument("--requests", type=int, default=None,
                         help="completed requests per (policy, C) (default max(4, 2·C))")
-    parser.add_argument("--datasets", type=_csv, default=list(DEFAULT_DATASETS),
-                        help=f"comma-separated dataset names (default {','.join(DEFAULT_DATASETS)})")
-    parser.add_argument("--datasets-dir", type=Path, default=None,
-                        help="folder of <name>.jsonl files (default ../shared/eval_datasets from the repo root)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed (default 0)")
-    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up before each run")
-    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = ORT's choice)")
-    parser.add_argument("--json", type=Path, default=None, help="write the result JSON here")
-    parser.add_argument("--out-dir", type=Path, default=None, help="write JSON, markdown and PNG plots here")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
@@ -63,11 +41,5 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         chat=not args.no_chat, warmup=not args.no_warmup, threads=args.threads)
     result = run_serve_bench(cfg, progress)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        progress(f"wrote {args.json}")
-    if args.out_dir is not None:
-        for path in write_reports(result, args.out_dir).values():
-            progress(f"wrote {path}")
+    write_outputs(result, args, write_reports, progress)
     return markdown_table(result)
