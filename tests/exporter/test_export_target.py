@@ -29,7 +29,7 @@ def _hf_reference(model, seq: torch.Tensor, past: int):
         full = model(seq[None], output_hidden_states=True)
         cache = DynamicCache()
         if past:
-            model(seq[None, :past], past_key_values=cache, use_cache=True)
+            model(seq[None, :past], cache=cache, use_cache=True)
     feats = torch.cat([full.hidden_states[t + 1][0, past:] for t in TAPS], -1).numpy()
     return full.logits[0, past:].numpy(), feats, cache
 
