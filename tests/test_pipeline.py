@@ -271,3 +271,30 @@ def test_build_sweeps_partials_of_dead_processes(tiny_target_dir, tmp_path):
     build_engine_dir(BuildConfig(out=tmp_path / "eng", target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
     assert not dead.exists() and alive.exists()
     assert Manifest.load(tmp_path / "eng").runtime["block_size"] == 4
+
+
+def test_calibration_next_to_the_drafter_reaches_the_manifest(tiny_target_dir, tmp_path):
+    """An fp16, embedding-free drafter folder (the shipped layout) with STS temperatures builds, and
+    the runtime reads the temperatures; a malformed calibration file is refused before any work."""
+    import torch
+
+    from dspark_export.errors import ConfigError
+    from dspark_export.modeling.checkpoint import save_drafter
+    from dspark_export.modeling.config import DrafterConfig
+    from dspark_export.modeling.drafter import init_drafter
+    from dspark_export.modeling.target import load_target
+
+    target = load_target(tiny_target_dir)
+    drafter = init_drafter(target, DrafterConfig.from_target(target.config, block_size=4, markov_rank=8))
+    ckpt = save_drafter(drafter, tmp_path / "drafter", include_embeddings=False, dtype=torch.float16)
+    temps = [0.8, 1.1, 1.3, 2.0]
+    (ckpt / "calibration.json").write_text(json.dumps({"method": "sts", "confidence_temperature": temps}))
+    out = tmp_path / "eng"
+    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))
+    assert Manifest.load(out).runtime["confidence_temperature"] == temps
+    gen = Generator(Runtime.open(out, policy="dspark").engines, parse_policy("dspark"))
+    assert gen.sts.tolist() == pytest.approx(temps)
+    (ckpt / "calibration.json").write_text(json.dumps({"confidence_temperature": [1.0, -1.0, 1.0, 1.0]}))
+    with pytest.raises(ConfigError, match=r"calibration.json: confidence_temperature: expected 4 finite positive"):
+        build_engine_dir(BuildConfig(out=tmp_path / "eng2", target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))
+    assert not (tmp_path / "eng2").exists()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -60,6 +62,29 @@ def shipped_drafter_path(target_source: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def read_calibration(folder: Path, block_size: int) -> list[float] | None:
+    """STS temperatures from ``<drafter>/calibration.json`` (written by ``scripts/train_drafter.py
+    calibrate``), or None when the file is absent.
+
+    Raises:
+        ConfigError: the file is unreadable, or ``confidence_temperature`` is not ``block_size``
+            finite positive numbers.
+    """
+    path = folder / "calibration.json"
+    if not path.is_file():
+        return None
+    try:
+        temps = json.loads(path.read_text(encoding="utf-8"))["confidence_temperature"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: expected a JSON object with 'confidence_temperature' ({e!r})") from None
+    ok = isinstance(temps, list) and len(temps) == block_size and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in temps)
+    if not ok:
+        raise ConfigError(f"{path}: confidence_temperature: expected {block_size} finite positive numbers (one per "
+                          f"draft position), found {temps!r}")
+    return [float(t) for t in temps]
+
+
 def load_build_inputs(target: str | None, drafter: str | None, *, block_size: int = 7, num_draft_layers: int = 1,
                       markov_rank: int = 64, seed: int = 0) -> BuildInputs:
     """Load the target (None = embedded default) and the drafter.
@@ -101,6 +126,9 @@ def load_build_inputs(target: str | None, drafter: str | None, *, block_size: in
         except (CheckpointError, ConfigError) as e:
             raise type(e)(f"drafter {drafter}: {e}" if str(drafter) not in str(e) else str(e)) from e
         source = {"kind": "checkpoint", "path": str(drafter), "is_trained": bool(model.config.is_trained)}
+        calibration = read_calibration(Path(drafter), model.config.block_size)
+        if calibration is not None:
+            source["confidence_temperature"] = calibration
     source.update(num_layers=model.config.num_hidden_layers, block_size=model.config.block_size,
                   markov_rank=model.config.markov_rank, target_layer_ids=list(model.config.target_layer_ids))
     return BuildInputs(tgt, model.eval(), target_source, source)

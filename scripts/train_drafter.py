@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Train, calibrate and ship the DSpark drafter of a target (default: the embedded SmolLM2-135M-Instruct).
+
+Stages (each resumable; each reads the previous one's output):
+
+    data       prompts of the committed split (dspark_export/training/data_split.json) answered by the
+               target: <run>/data/{train,calibration}.jsonl
+    features   the target's tapped hidden states and final hidden per token: <run>/features/{train,calibration}
+    train      a drafter (--variant dspark | dflash): <run>/<name>/ (training_state.pt, metrics.jsonl,
+               drafter/ in DeepSpec layout, fp32)
+    calibrate  offline rounds on the calibration features → τ per dataset, per-position acceptance,
+               STS temperatures, ECE before/after, reliability diagram: <run>/<name>/calibration/
+    export     drafter-owned tensors in fp16 + calibration.json → --out (the shipped drafter folder)
+
+Usage:
+    python scripts/train_drafter.py data --run runs/smollm2 --limit 1400
+    python scripts/train_drafter.py features --run runs/smollm2
+    python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500
+    python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 1500
+    python scripts/train_drafter.py calibrate --run runs/smollm2 --name dspark
+    python scripts/train_drafter.py export --run runs/smollm2 --name dspark \
+        --out src/dspark_export/assets/drafters/smollm2-135m-instruct
+Exit codes: 0 done, 2 an error (one line on stderr), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from dspark_export.errors import DsparkExportError
+
+
+def _log(t0):
+    return lambda line: print(f"[{time.perf_counter() - t0:7.1f} s] {line}", file=sys.stderr, flush=True)
+
+
+def _target(args):
+    from dspark_export.modeling.target import default_target_path, load_target
+
+    path = Path(args.target) if args.target else default_target_path()
+    return path, load_target(path)
+
+
+def cmd_data(args, say):
+    from dspark_export.bench.common import default_datasets_dir
+    from dspark_export.training.data import generate_responses
+    from dspark_export.training.split import load_split
+
+    folder = Path(args.datasets_dir) if args.datasets_dir else default_datasets_dir()
+    split = load_split(datasets_dir=folder)
+    path, _ = _target(args)
+    out = Path(args.run) / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    for part, limit, frac in (("train", args.limit, args.sampled_fraction), ("calibration", None, 0.0)):
+        generate_responses(path, split, part, folder, out / f"{part}.jsonl", max_new_tokens=args.max_new_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=frac, limit=limit,
+                           batch=args.batch, seed=args.seed, progress=say)
+
+
+def cmd_features(args, say):
+    import torch
+
+    from dspark_export.modeling.config import default_target_layer_ids
+    from dspark_export.training.data import read_records
+    from dspark_export.training.features import build_feature_cache
+
+    _, target = _target(args)
+    taps = args.taps or default_target_layer_ids(target.config.num_hidden_layers)
+    for part in ("train", "calibration"):
+        records = read_records(Path(args.run) / "data" / f"{part}.jsonl")
+        say(f"{part}: {len(records)} records, taps {list(taps)}")
+        build_feature_cache(target.model, records, taps, Path(args.run) / "features" / part,
+                            dtype=getattr(torch, args.dtype), progress=say)
+
+
+def cmd_train(args, say):
+    from dspark_export.modeling.checkpoint import save_drafter
+    from dspark_export.training.features import FeatureCache
+    from dspark_export.training.trainer import TrainConfig, train_drafter
+
+    _, target = _target(args)
+    out = Path(args.run) / args.name
+    cfg = TrainConfig(out_dir=str(out), variant=args.variant, num_draft_layers=args.layers, markov_rank=args.markov_rank,
+                      target_layer_ids=tuple(args.taps) if args.taps else None, steps=args.steps,
+                      seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
+                      seed=args.seed, threads=args.threads, save_every=args.save_every)
+    t0 = time.perf_counter()
+    drafter = train_drafter(target, FeatureCache(Path(args.run) / "features" / "train"), cfg, progress=say,
+                            time_budget_s=args.time_budget)
+    state = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    if state["step"] < cfg.steps:
+        say(f"stopped at step {state['step']} of {cfg.steps}; run the same command again to continue")
+        return
+    save_drafter(drafter, out / "drafter")
+    (out / "train_summary.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
+                                                        "wall_s_this_call": round(time.perf_counter() - t0, 1),
+                                                        "final": state}, indent=1))
+    say(f"saved {out / 'drafter'}")
+
+
+def cmd_calibrate(args, say):
+    from dspark_export.modeling.checkpoint import load_drafter
+    from dspark_export.training.calibration import fit_sts, reliability_diagram, replay_rounds, write_calibration
+    from dspark_export.training.features import FeatureCache
+
+    _, target = _target(args)
+    run = Path(args.run) / args.name
+    drafter = load_drafter(run / "drafter", target).eval()
+    rounds = replay_rounds(drafter, FeatureCache(Path(args.run) / "features" / "calibration"), stride=args.stride)
+    out = run / "calibration"
+    out.mkdir(exist_ok=True)
+    per_dataset = {}
+    for name in sorted(set(rounds.sources)):
+        m = [s == name for s in rounds.sources]
+        sub = type(rounds)(rounds.conf_logits[m], rounds.accepted[m], rounds.valid[m], [name] * sum(m))
+        per_dataset[name] = {"rounds": int(sum(m)), "acceptance_length": round(sub.acceptance_length(), 4)}
+    summary = {"acceptance_length": round(rounds.acceptance_length(), 4), "rounds": len(rounds.sources),
+               "conditional_acceptance": [round(x, 4) for x in rounds.conditional_acceptance()],
+               "datasets": per_dataset}
+    if drafter.confidence_head is not None:
+        fit = fit_sts(rounds)
+        summary["sts"] = fit
+        write_calibration(run / "drafter", fit, {"fitted_on": "calibration split, greedy offline rounds"})
+        reliability_diagram(rounds, fit["confidence_temperature"], out / "reliability.png")
+        say(f"STS temperatures {fit['confidence_temperature']}; ECE {fit['mean_ece_before']:.4f} → "
+            f"{fit['mean_ece_after']:.4f}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    say(f"offline τ (T=0) {summary['acceptance_length']:.3f} over {summary['rounds']} rounds; per position "
+        f"{summary['conditional_acceptance']}")
+
+
+def cmd_export(args, say):
+    import torch
+
+    from dspark_export.modeling.checkpoint import load_drafter, save_drafter
+    from dspark_export.training.calibration import CALIBRATION_FILE
+
+    _, target = _target(args)
+    src = Path(args.run) / args.name / "drafter"
+    drafter = load_drafter(src, target)
+    out = save_drafter(drafter, args.out, include_embeddings=False, dtype=torch.float16)
+    if (src / CALIBRATION_FILE).is_file():
+        shutil.copy2(src / CALIBRATION_FILE, out / CALIBRATION_FILE)
+    size = sum(p.stat().st_size for p in out.iterdir())
+    say(f"exported {out}: {size / 2**20:.2f} MiB")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="stage", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run", required=True, help="run folder (data, features, trained drafters)")
+    common.add_argument("--target", help="target folder or .gguf (default: the embedded SmolLM2)")
+    common.add_argument("--taps", type=int, nargs="*", help="tapped target layers (default: 5 spread over the depth)")
+    p = sub.add_parser("data", parents=[common])
+    p.add_argument("--datasets-dir")
+    p.add_argument("--limit", type=int, default=1400, help="training prompts at most (seeded shuffle)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--sampled-fraction", type=float, default=0.3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("features", parents=[common])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p = sub.add_parser("train", parents=[common])
+    p.add_argument("--name", default="dspark")
+    p.add_argument("--variant", default="dspark", choices=["dspark", "dflash"])
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--seqs-per-step", type=int, default=4)
+    p.add_argument("--anchors-per-seq", type=int, default=64)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--time-budget", type=float, help="stop (resumably) after this many seconds")
+    p = sub.add_parser("calibrate", parents=[common])
+    p.add_argument("--name", default="dspark")
+    p.add_argument("--stride", type=int, default=2, help="replay a round at every k-th assistant position")
+    p = sub.add_parser("export", parents=[common])
+    p.add_argument("--name", default="dspark")
+    p.add_argument("--out", required=True)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    say = _log(time.perf_counter())
+    try:
+        {"data": cmd_data, "features": cmd_features, "train": cmd_train, "calibrate": cmd_calibrate,
+         "export": cmd_export}[args.stage](args, say)
+    except DsparkExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted (state is saved; run the same command again to resume)", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

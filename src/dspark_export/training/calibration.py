@@ -1,0 +1,200 @@
+"""Offline drafting rounds, Sequential Temperature Scaling (paper §3.2.1) and reliability reports.
+
+Rounds are replayed offline on cached target sequences whose responses were generated greedily by
+the target: for an anchor p the drafter drafts γ tokens exactly as at inference (parallel block,
+then the Markov chain fed with its own argmax drafts), and draft k is accepted when drafts 0..k all
+equal the target's greedy continuation ``tokens[p+1..p+k+1]``. That is the T = 0 verification
+outcome, so the offline τ here is the τ of the offline protocol at temperature 0 (on the cached
+contexts).
+
+STS: the confidence head gives conditional logits z_k (σ(z_k) ≈ P(draft k accepted | drafts < k
+accepted)); the scheduler uses the survival ``a_k = Π_{i≤k} σ(z_i / T_i)``. Temperatures are fitted
+left to right: T_k minimises the ECE (20 equal-width bins) of a_k against the observed survival
+``y_k = Π_{i≤k} accepted_i`` with T_0..T_{k-1} already fixed. Dividing a logit by T > 0 keeps the
+order of the confidences at each position.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..modeling.drafter import DSparkDrafter
+from .features import FeatureCache
+from .objective import TrainBatch, block_forward
+
+__all__ = ["Rounds", "replay_rounds", "expected_calibration_error", "fit_sts", "survival",
+           "reliability_diagram", "DEFAULT_GRID", "CALIBRATION_FILE"]
+
+#: Written next to a drafter checkpoint; `dspark-export build` copies the temperatures into the manifest.
+CALIBRATION_FILE = "calibration.json"
+DEFAULT_GRID = np.round(np.exp(np.linspace(np.log(0.2), np.log(5.0), 97)), 4)
+
+
+@dataclass
+class Rounds:
+    """Replayed rounds: conf_logits [M, γ] float32 (zeros without a confidence head); accepted [M, γ]
+    bool (draft k equals the target's token); valid [M, γ] bool (the target's token exists);
+    sources: dataset name per round."""
+
+    conf_logits: np.ndarray
+    accepted: np.ndarray
+    valid: np.ndarray
+    sources: list
+
+    @property
+    def survived(self) -> np.ndarray:
+        """[M, γ] bool: drafts 0..k all accepted."""
+        return np.cumprod(self.accepted & self.valid, axis=1).astype(bool)
+
+    def acceptance_length(self) -> float:
+        """τ = 1 + mean accepted prefix (bonus token included), over rounds with a full block of labels."""
+        full = self.valid.all(axis=1)
+        return float(1 + self.survived[full].sum(axis=1).mean()) if full.any() else float("nan")
+
+    def conditional_acceptance(self) -> list:
+        """P(draft k accepted | drafts < k accepted), k = 0..γ-1 (paper Fig. 2)."""
+        s = self.survived
+        reached = np.concatenate([np.ones((len(s), 1), bool), s[:, :-1]], axis=1) & self.valid
+        return [float((s[:, k] & reached[:, k]).sum() / max(1, reached[:, k].sum())) for k in range(s.shape[1])]
+
+
+@torch.no_grad()
+def replay_rounds(drafter: DSparkDrafter, cache: FeatureCache, *, greedy_only: bool = True, stride: int = 1,
+                  max_len: int = 768, chunk: int = 96) -> Rounds:
+    """Replay a drafting round at every `stride`-th assistant position of every cached sequence.
+
+    Args:
+        greedy_only: use only sequences whose response was generated at temperature 0 (only there is
+            the cached continuation the target's verification outcome).
+    """
+    G = drafter.config.block_size
+    confs, accs, valids, sources = [], [], [], []
+    for i in range(len(cache)):
+        s = cache[i]
+        if greedy_only and (s.source.get("temperature") or 0) != 0:
+            continue
+        T = min(len(s.tokens), max_len)
+        positions = np.arange(s.prompt_len, T - 1, stride)
+        for a in range(0, len(positions), chunk):
+            anchors = positions[a:a + chunk]
+            n = len(anchors)
+            idx = anchors[:, None] + 1 + np.arange(G)
+            ok = idx < T
+            labels = np.where(ok, s.tokens[np.minimum(idx, T - 1)], 0)
+            batch = TrainBatch(torch.from_numpy(s.tokens[None, :T]), torch.from_numpy(s.aux[None, :T]),
+                               torch.from_numpy(s.last[None, :T]), torch.tensor([T]), torch.from_numpy(anchors[None]),
+                               torch.ones(1, n, dtype=torch.bool), torch.from_numpy(labels[None]),
+                               torch.from_numpy(ok[None]))
+            hidden, U = block_forward(drafter, batch)
+            hidden, U = hidden[0], U[0]  # [n, γ, H], [n, γ, V]
+            prev = torch.from_numpy(s.tokens[anchors])
+            drafts = torch.zeros(n, G, dtype=torch.long)
+            z = torch.zeros(n, G)
+            for k in range(G):
+                logits = U[:, k] + (drafter.markov_bias(prev) if drafter.markov_head is not None else 0)
+                if drafter.confidence_head is not None:
+                    z[:, k] = drafter.confidence_logits(hidden[:, k:k + 1], prev[:, None])[:, 0]
+                prev = logits.argmax(-1)
+                drafts[:, k] = prev
+            confs.append(z.numpy())
+            accs.append((drafts.numpy() == labels) & ok)
+            valids.append(ok)
+            sources += [s.source.get("dataset")] * n
+    if not confs:
+        raise ValueError("replay_rounds: no usable sequence in the cache (greedy_only and no temperature-0 record?)")
+    return Rounds(np.concatenate(confs), np.concatenate(accs), np.concatenate(valids), sources)
+
+
+def expected_calibration_error(pred: np.ndarray, target: np.ndarray, bins: int = 20) -> float:
+    """ECE with `bins` equal-width bins on [0, 1]: Σ_b (n_b / n)·|mean(pred_b) − mean(target_b)|."""
+    pred, target = np.asarray(pred, np.float64), np.asarray(target, np.float64)
+    if pred.size == 0:
+        return float("nan")
+    which = np.minimum((pred * bins).astype(np.int64), bins - 1)
+    n = np.bincount(which, minlength=bins)
+    sp = np.bincount(which, weights=pred, minlength=bins)
+    st = np.bincount(which, weights=target, minlength=bins)
+    used = n > 0
+    return float(np.sum(np.abs(sp[used] - st[used])) / pred.size)
+
+
+def survival(conf_logits: np.ndarray, temperatures) -> np.ndarray:
+    """a_k = Π_{i≤k} σ(z_i / T_i): [M, γ] logits, [γ] temperatures → [M, γ] float64."""
+    z = np.asarray(conf_logits, np.float64) / np.asarray(temperatures, np.float64)
+    return np.cumprod(1.0 / (1.0 + np.exp(-z)), axis=1)
+
+
+def fit_sts(rounds: Rounds, grid=DEFAULT_GRID, bins: int = 20) -> dict:
+    """Fit one temperature per position, left to right (module docstring).
+
+    Returns:
+        {"confidence_temperature": [γ], "ece_before": [γ], "ece_after": [γ], "mean_ece_before",
+         "mean_ece_after", "rounds": M, "bins": bins}.
+    """
+    z, y, valid = rounds.conf_logits.astype(np.float64), rounds.survived, rounds.valid
+    G = z.shape[1]
+    temps = np.ones(G)
+    before = survival(z, temps)
+    prefix = np.ones(len(z))
+    ece_before, ece_after = [], []
+    for k in range(G):
+        rows = valid[:, k]
+        ece_before.append(expected_calibration_error(before[rows, k], y[rows, k], bins))
+        best = (np.inf, 1.0)
+        for t in grid:
+            a = prefix[rows] / (1.0 + np.exp(-z[rows, k] / t))
+            e = expected_calibration_error(a, y[rows, k], bins)
+            if e < best[0] - 1e-12:
+                best = (e, float(t))
+        temps[k] = best[1]
+        prefix = prefix / (1.0 + np.exp(-z[:, k] / temps[k]))
+        ece_after.append(best[0])
+    return {"confidence_temperature": [float(t) for t in temps], "ece_before": [round(e, 5) for e in ece_before],
+            "ece_after": [round(e, 5) for e in ece_after], "mean_ece_before": round(float(np.mean(ece_before)), 5),
+            "mean_ece_after": round(float(np.mean(ece_after)), 5), "rounds": int(len(z)), "bins": bins}
+
+
+def reliability_diagram(rounds: Rounds, temperatures, path: str | Path, bins: int = 10) -> Path:
+    """PNG: per position, observed survival vs predicted survival, before (T=1) and after STS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    G = rounds.conf_logits.shape[1]
+    y = rounds.survived
+    fig, axes = plt.subplots(1, G, figsize=(2.6 * G, 2.9), sharey=True)
+    for k, ax in enumerate(np.atleast_1d(axes)):
+        rows = rounds.valid[:, k]
+        for label, temps, style in (("raw", np.ones(G), "o--"), ("STS", temperatures, "s-")):
+            a = survival(rounds.conf_logits, temps)[rows, k]
+            which = np.minimum((a * bins).astype(int), bins - 1)
+            xs, ys = [], []
+            for b in range(bins):
+                m = which == b
+                if m.sum() >= 5:
+                    xs.append(a[m].mean())
+                    ys.append(y[rows, k][m].mean())
+            ax.plot(xs, ys, style, ms=3, label=f"{label} (ECE {expected_calibration_error(a, y[rows, k]):.3f})")
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+        ax.set_title(f"position {k + 1}")
+        ax.set_xlabel("predicted survival")
+        ax.legend(fontsize=6, loc="upper left")
+    np.atleast_1d(axes)[0].set_ylabel("observed survival")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_calibration(folder: str | Path, fit: dict, extra: dict | None = None) -> Path:
+    """Write `<folder>/calibration.json` ({"method": "sts", **fit, **extra})."""
+    path = Path(folder) / CALIBRATION_FILE
+    path.write_text(json.dumps({"method": "sts", **fit, **(extra or {})}, indent=1) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,173 @@
+"""Target feature cache for drafter training (DeepSpec reference §1.2, §3).
+
+For every (prompt, response) record the target runs once over ``prompt + response`` and the cache
+keeps, per token:
+
+- ``aux``  [T, F] float16: the raw outputs of the tapped target layers (``hidden_states[l + 1]`` for
+  l in ``target_layer_ids``, concatenated in tap order): the drafter's context features;
+- ``last`` [T, H] float16: the target's final-normed hidden state. The target's next-token
+  distribution at a position is ``softmax(lm_head(last))`` with the (frozen, shared) LM head, so the
+  full [T, V] distribution is recovered exactly from H numbers per token instead of V.
+
+plus ``tokens`` [T] int32 and the prompt length (tokens at ``>= prompt_len`` are assistant tokens).
+
+Layout of a cache folder (written in parts so an interrupted run resumes at the first missing part):
+
+    meta.json                        {"format": 1, "target_layer_ids", "hidden_size", "feature_size",
+                                      "dtype": "float16", "parts": [...], "complete": bool}
+    part-00000/tokens.npy            int32 [N]   (N tokens of the part's sequences, concatenated)
+    part-00000/aux.npy               float16 [N, F]
+    part-00000/last.npy              float16 [N, H]
+    part-00000/index.json            {"offsets": [...], "prompt_lens": [...], "sources": [...]}
+
+A part's folder is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["build_feature_cache", "FeatureCache", "Sequence_"]
+
+FORMAT = 1
+
+
+def _write_meta(folder: Path, meta: dict) -> None:
+    tmp = folder / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / "meta.json")
+
+
+@torch.no_grad()
+def build_feature_cache(target_model, records: Sequence[dict], target_layer_ids: Sequence[int], out_dir: str | Path,
+                        *, part_size: int = 64, max_tokens: int = 1024, dtype: torch.dtype = torch.bfloat16,
+                        progress: Callable[[str], None] | None = None) -> Path:
+    """Run the target over each record and write the cache (resumable; see the module docstring).
+
+    Args:
+        target_model: a transformers causal LM (the target), eval mode.
+        records: response records (`training.data`): "prompt_ids", "response_ids", "dataset", "row".
+        target_layer_ids: tapped layers (0-based decoder layers, never the last).
+        out_dir: cache folder (created; existing complete parts are kept).
+        part_size: sequences per part.
+        max_tokens: sequences are cut to this many tokens.
+        dtype: compute dtype of the target pass (bfloat16 is ~3x faster on CPUs with bf16 matmul; the
+            paper's targets run in bf16 too). Stored values are float16 either way.
+    Raises:
+        ConfigError: the folder holds a cache made with other taps or hidden size.
+    """
+    say = progress or (lambda line: None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    H = target_model.config.hidden_size
+    ids = [int(i) for i in target_layer_ids]
+    meta = {"format": FORMAT, "target_layer_ids": ids, "hidden_size": H, "feature_size": H * len(ids),
+            "dtype": "float16", "parts": [], "complete": False, "num_records": len(records)}
+    if (out / "meta.json").is_file():
+        old = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+        for key in ("target_layer_ids", "hidden_size"):
+            if old.get(key) != meta[key]:
+                raise ConfigError(f"{out}/meta.json: {key} is {old.get(key)!r} but this run uses {meta[key]!r}; "
+                                  "use another folder")
+    model = target_model.to(dtype)
+    t0, done_tokens = time.perf_counter(), 0
+    for start in range(0, len(records), part_size):
+        name = f"part-{start // part_size:05d}"
+        meta["parts"].append(name)
+        if (out / name / "index.json").is_file():
+            continue
+        tmp = out / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        toks, auxs, lasts, offsets, prompt_lens, sources = [], [], [], [0], [], []
+        for rec in records[start:start + part_size]:
+            seq = (list(rec["prompt_ids"]) + list(rec["response_ids"]))[:max_tokens]
+            x = torch.tensor([seq], dtype=torch.long)
+            res = model(input_ids=x, output_hidden_states=True)
+            hs = res.hidden_states
+            auxs.append(torch.cat([hs[l + 1][0] for l in ids], dim=-1).to(torch.float16).numpy())
+            lasts.append(hs[-1][0].to(torch.float16).numpy())
+            toks.append(np.asarray(seq, np.int32))
+            offsets.append(offsets[-1] + len(seq))
+            prompt_lens.append(min(len(rec["prompt_ids"]), len(seq)))
+            sources.append({k: rec.get(k) for k in ("dataset", "row", "temperature")})
+        np.save(tmp / "tokens.npy", np.concatenate(toks))
+        np.save(tmp / "aux.npy", np.concatenate(auxs))
+        np.save(tmp / "last.npy", np.concatenate(lasts))
+        (tmp / "index.json").write_text(json.dumps({"offsets": offsets, "prompt_lens": prompt_lens,
+                                                    "sources": sources}), encoding="utf-8")
+        os.replace(tmp, out / name)
+        done_tokens += offsets[-1]
+        say(f"{name}: {min(start + part_size, len(records))}/{len(records)} sequences, "
+            f"{done_tokens / (time.perf_counter() - t0):.0f} tok/s")
+        _write_meta(out, {**meta, "parts": list(meta["parts"])})
+    meta["complete"] = True
+    _write_meta(out, meta)
+    return out
+
+
+@dataclass
+class Sequence_:
+    """One cached sequence: tokens [T] int64, aux [T, F] float32, last [T, H] float32, prompt_len."""
+
+    tokens: np.ndarray
+    aux: np.ndarray
+    last: np.ndarray
+    prompt_len: int
+    source: dict
+
+
+class FeatureCache:
+    """Read-only view of a complete cache folder (memory-mapped parts).
+
+    Raises:
+        ConfigError: the folder is missing, incomplete, or of another format.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        try:
+            self.meta = json.loads((self.folder / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{self.folder}: expected a feature cache with meta.json ({e})") from None
+        if self.meta.get("format") != FORMAT or not self.meta.get("complete"):
+            raise ConfigError(f"{self.folder}/meta.json: expected a complete format-{FORMAT} cache, found "
+                              f"format {self.meta.get('format')!r}, complete={self.meta.get('complete')!r}")
+        self._index: list[tuple[int, int]] = []
+        self._parts = []
+        for p, name in enumerate(self.meta["parts"]):
+            d = self.folder / name
+            index = json.loads((d / "index.json").read_text(encoding="utf-8"))
+            arrays = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in ("tokens", "aux", "last")}
+            self._parts.append((arrays, index))
+            self._index += [(p, i) for i in range(len(index["prompt_lens"]))]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.meta["target_layer_ids"])
+
+    def num_tokens(self) -> int:
+        return sum(int(idx["offsets"][-1]) for _, idx in self._parts)
+
+    def __getitem__(self, i: int) -> Sequence_:
+        p, j = self._index[i]
+        arrays, index = self._parts[p]
+        a, b = index["offsets"][j], index["offsets"][j + 1]
+        return Sequence_(tokens=np.asarray(arrays["tokens"][a:b], np.int64),
+                         aux=np.asarray(arrays["aux"][a:b], np.float32),
+                         last=np.asarray(arrays["last"][a:b], np.float32),
+                         prompt_len=int(index["prompt_lens"][j]), source=index["sources"][j])

@@ -1,0 +1,188 @@
+"""The DSpark training forward and objective (paper §3, Eq. 8-10; DeepSpec reference §1.3, §1.4, §3).
+
+One training example is a cached target sequence (tokens, tapped-layer features ``aux``, the
+target's final hidden ``last``) and N anchor positions inside its assistant tokens. Block j holds
+``[tokens[p_j], MASK×(γ-1)]`` at positions ``p_j..p_j+γ-1``; it attends to the context rows
+``< p_j`` (strictly: the anchor's own target features do not exist yet at inference) and,
+bidirectionally, to its own γ slots, never to other blocks. Slot k predicts ``tokens[p_j+k+1]``.
+All N blocks of a sequence run in one attention call with that mask, which gives exactly the same
+numbers as :meth:`DSparkDrafter.forward_block` run per block (tested).
+
+Loss, with w_k = valid_k · exp(-k / 4) (valid: the label exists and is an assistant token, as a
+contiguous prefix):
+
+    CE   = Σ w·CE(draft_logits, labels) / Σ w
+    L1   = Σ w·‖p_d − p_t‖₁ / Σ w                 p_d = softmax(U + Markov(prev)), p_t = target's
+    α    = clamp(1 − ½‖p_d − p_t‖₁, 0, 1), detached   (analytic acceptance at T = 1)
+    BCE  = Σ w·BCEWithLogits(conf_logit, α) / Σ w
+    loss = ce_weight·CE + l1_weight·L1 + bce_weight·BCE     (DeepSpec: 0.1, 0.9, 1.0)
+
+with teacher-forced previous tokens ``prev = [anchor, labels[:-1]]`` for the Markov head and the
+confidence head. The LM-head products (V = 49152 for SmolLM2) dominate the cost; they run under
+bfloat16 autocast when ``bf16`` is set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..modeling.drafter import DSparkDrafter
+from ..modeling.layers import apply_rope
+from .features import Sequence_
+
+__all__ = ["LossWeights", "TrainBatch", "make_batch", "sample_anchors", "block_forward", "dspark_loss"]
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    l1: float = 0.9
+    bce: float = 1.0
+    decay: float = 4.0  #: position weight exp(-k / decay)
+
+
+@dataclass
+class TrainBatch:
+    """B sequences padded to S, N anchors each.
+
+    tokens [B, S] int64; aux [B, S, F] float32; last [B, S, H] float32; seq_lens [B] int64;
+    anchors [B, N] int64 (0 where keep is False); keep [B, N] bool; labels [B, N, γ] int64;
+    valid [B, N, γ] bool (contiguous prefix per block).
+    """
+
+    tokens: torch.Tensor
+    aux: torch.Tensor
+    last: torch.Tensor
+    seq_lens: torch.Tensor
+    anchors: torch.Tensor
+    keep: torch.Tensor
+    labels: torch.Tensor
+    valid: torch.Tensor
+
+
+def sample_anchors(prompt_len: int, length: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to n anchor positions p, drawn without replacement, sorted: p is an assistant token
+    (p >= prompt_len) with at least one assistant token after it (p <= length - 2) (reference §3)."""
+    candidates = np.arange(prompt_len, length - 1)
+    if len(candidates) > n:
+        candidates = np.sort(rng.choice(candidates, size=n, replace=False))
+    return candidates
+
+
+def make_batch(seqs: list[Sequence_], anchors_per_seq: int, block_size: int, rng: np.random.Generator) -> TrainBatch:
+    B, S, G = len(seqs), max(len(s.tokens) for s in seqs), block_size
+    Fdim, H = seqs[0].aux.shape[1], seqs[0].last.shape[1]
+    tokens = np.zeros((B, S), np.int64)
+    aux = np.zeros((B, S, Fdim), np.float32)
+    last = np.zeros((B, S, H), np.float32)
+    anchors = np.zeros((B, anchors_per_seq), np.int64)
+    keep = np.zeros((B, anchors_per_seq), bool)
+    labels = np.zeros((B, anchors_per_seq, G), np.int64)
+    valid = np.zeros((B, anchors_per_seq, G), bool)
+    for b, s in enumerate(seqs):
+        T = len(s.tokens)
+        tokens[b, :T], aux[b, :T], last[b, :T] = s.tokens, s.aux, s.last
+        a = sample_anchors(s.prompt_len, T, anchors_per_seq, rng)
+        anchors[b, :len(a)], keep[b, :len(a)] = a, True
+        idx = a[:, None] + 1 + np.arange(G)[None, :]  # [n, γ]
+        ok = idx < T
+        labels[b, :len(a)] = np.where(ok, s.tokens[np.minimum(idx, T - 1)], 0)
+        valid[b, :len(a)] = ok  # contiguous: idx grows with k
+    t = torch.from_numpy
+    return TrainBatch(t(tokens), t(aux), t(last), torch.tensor([len(s.tokens) for s in seqs]), t(anchors), t(keep),
+                      t(labels), t(valid))
+
+
+def block_forward(drafter: DSparkDrafter, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """All blocks of the batch in one pass → hidden [B, N, γ, H] (post final norm) and base logits
+    U [B, N, γ, V] (float32; bf16 matmul when autocast is on)."""
+    cfg = drafter.config
+    B, S = batch.tokens.shape
+    N, G = batch.anchors.shape[1], cfg.block_size
+    device = batch.tokens.device
+    ctx = drafter.project_context(batch.aux)  # [B, S, H]
+    ctx_cos, ctx_sin = drafter.rope_cos_sin(torch.arange(S, device=device).expand(B, S))
+    block_pos = batch.anchors[:, :, None] + torch.arange(G, device=device)  # [B, N, γ]
+    cos, sin = drafter.rope_cos_sin(block_pos.reshape(B, N * G))  # [B, Nγ, D]
+    anchor_tok = torch.gather(batch.tokens, 1, batch.anchors)  # [B, N]
+    block_ids = torch.full((B, N, G), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, :, 0] = anchor_tok
+    h = drafter.embed_tokens(block_ids.reshape(B, N * G))  # [B, Nγ, H]
+    # mask [B, 1, Nγ, S + Nγ]: context rows strictly before the anchor, plus the own block
+    q_block = torch.arange(N * G, device=device) // G
+    ctx_ok = torch.arange(S, device=device)[None, None, :] < batch.anchors.repeat_interleave(G, dim=1)[:, :, None]
+    blk_ok = (q_block[:, None] == q_block[None, :]).expand(B, N * G, N * G)
+    mask = torch.cat((ctx_ok, blk_ok), dim=2)[:, None]
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        ck, cv = attn.project_kv(ctx, ctx_cos, ctx_sin)  # [B, S, kvH, D]
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).unflatten(-1, (attn.num_heads, attn.head_dim))
+        if attn.q_norm is not None:
+            q = attn.q_norm(q)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, nh, Nγ, D]
+        bk, bv = attn.project_kv(x, cos, sin)
+        k = torch.cat((ck, bk), dim=1).transpose(1, 2)  # [B, kvH, S+Nγ, D]
+        v = torch.cat((cv, bv), dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        h = h + attn.o_proj(out.transpose(1, 2).reshape(B, N * G, attn.num_heads * attn.head_dim))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    h = drafter.norm(h).reshape(B, N, G, -1)
+    return h, drafter.lm_head(h)
+
+
+def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights = LossWeights(),
+                bf16: bool = True) -> tuple[torch.Tensor, dict]:
+    """Loss and metrics of one batch (formulas in the module docstring).
+
+    Returns:
+        (loss scalar, metrics: {"loss", "ce", "l1", "bce", "accept_rate" [γ] (mean analytic α_k),
+        "top1" [γ] (argmax(draft) == label), "tau_probabilistic", "weight"}).
+    """
+    cfg = drafter.config
+    G = cfg.block_size
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        hidden, U = block_forward(drafter, batch)
+        prev = torch.cat((torch.gather(batch.tokens, 1, batch.anchors)[:, :, None], batch.labels[:, :, :-1]), dim=2)
+        logits = U.float()
+        if drafter.markov_head is not None:
+            logits = logits + drafter.markov_head(prev).float()
+        with torch.no_grad():
+            pos = (batch.anchors[:, :, None] + torch.arange(G)).clamp(max=batch.tokens.shape[1] - 1)
+            t_hidden = torch.gather(batch.last, 1, pos.reshape(pos.shape[0], -1, 1).expand(-1, -1, batch.last.shape[-1]))
+            t_logits = drafter.lm_head(t_hidden).float().reshape(logits.shape)
+    valid = (batch.valid & batch.keep[:, :, None]).float()
+    w = valid * torch.exp(-torch.arange(G, dtype=torch.float32) / weights.decay)
+    wsum = w.sum().clamp(min=1e-6)
+    logp_d = torch.log_softmax(logits, dim=-1)
+    ce = F.nll_loss(logp_d.reshape(-1, logp_d.shape[-1]), batch.labels.reshape(-1), reduction="none").reshape(w.shape)
+    p_t = torch.softmax(t_logits, dim=-1)
+    l1 = (logp_d.exp() - p_t).abs().sum(-1)  # [B, N, γ], in [0, 2]
+    alpha = (1 - 0.5 * l1).clamp(0, 1).detach()
+    loss = weights.ce * (w * ce).sum() / wsum + weights.l1 * (w * l1).sum() / wsum
+    metrics = {"ce": float((w * ce).sum().detach() / wsum), "l1": float((w * l1).sum().detach() / wsum)}
+    if drafter.confidence_head is not None and weights.bce > 0:
+        conf_in = hidden.float()
+        if cfg.confidence_head_with_markov and drafter.markov_head is not None:
+            conf_in = torch.cat((conf_in, drafter.markov_head.markov_w1(prev).float()), dim=-1)
+        z = drafter.confidence_head(conf_in)
+        bce = F.binary_cross_entropy_with_logits(z, alpha, reduction="none")
+        loss = loss + weights.bce * (w * bce).sum() / wsum
+        metrics["bce"] = float((w * bce).sum().detach() / wsum)
+    with torch.no_grad():
+        vsum = valid.sum((0, 1)).clamp(min=1)
+        accept = (alpha * valid).sum((0, 1)) / vsum
+        top1 = ((logits.argmax(-1) == batch.labels).float() * valid).sum((0, 1)) / vsum
+        surv = torch.cumprod(alpha * valid, dim=-1).sum(-1)  # expected accepted drafts per block
+        kept = batch.keep.float()
+        tau = float(((1 + surv) * kept).sum() / kept.sum().clamp(min=1))
+    metrics.update(loss=float(loss.detach()), accept_rate=[round(float(x), 4) for x in accept],
+                   top1=[round(float(x), 4) for x in top1], tau_probabilistic=tau, weight=float(wsum))
+    if not math.isfinite(metrics["loss"]):
+        raise FloatingPointError(f"dspark_loss: non-finite loss {metrics}")
+    return loss, metrics

@@ -1,0 +1,54 @@
+"""STS, ECE and offline rounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_export.modeling.config import DrafterConfig
+from dspark_export.modeling.drafter import init_drafter
+from dspark_export.training.calibration import (Rounds, expected_calibration_error, fit_sts, reliability_diagram,
+                                                replay_rounds, survival)
+
+
+def test_ece_known_values():
+    assert expected_calibration_error(np.array([0.9, 0.9]), np.array([1, 1])) == pytest.approx(0.1)
+    assert expected_calibration_error(np.array([0.25, 0.75]), np.array([0, 1])) == pytest.approx(0.25)
+    assert expected_calibration_error(np.full(4, 0.5), np.array([0, 1, 0, 1])) == pytest.approx(0.0)
+
+
+def _synthetic_rounds(n=20000, G=5, true_scale=0.5, seed=0):
+    """Logits twice as sharp as the truth: the right temperature is 2 at every position."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(1.0, 2.0, size=(n, G))
+    p = 1 / (1 + np.exp(-z * true_scale))
+    accepted = rng.random((n, G)) < p
+    return Rounds(z.astype(np.float32), accepted, np.ones((n, G), bool), ["x"] * n)
+
+
+def test_sts_recovers_the_temperature_and_lowers_ece(tmp_path):
+    rounds = _synthetic_rounds()
+    fit = fit_sts(rounds)
+    assert np.allclose(fit["confidence_temperature"], 2.0, rtol=0.15)
+    assert fit["mean_ece_after"] < 0.02 < fit["mean_ece_before"]
+    assert all(a <= b + 1e-9 for a, b in zip(fit["ece_after"], fit["ece_before"]))
+    # order-preserving per position
+    s1, s2 = survival(rounds.conf_logits, np.ones(5)), survival(rounds.conf_logits, fit["confidence_temperature"])
+    assert (np.argsort(s1[:, 0], kind="stable") == np.argsort(s2[:, 0], kind="stable")).all()
+    png = reliability_diagram(rounds, fit["confidence_temperature"], tmp_path / "rel.png")
+    assert png.stat().st_size > 1000
+
+
+def test_rounds_acceptance_length_counts_the_bonus_token():
+    acc = np.array([[1, 1, 0], [0, 1, 1], [1, 1, 1]], bool)
+    r = Rounds(np.zeros((3, 3), np.float32), acc, np.ones((3, 3), bool), ["a"] * 3)
+    assert r.acceptance_length() == pytest.approx(1 + (2 + 0 + 3) / 3)
+    assert r.conditional_acceptance() == pytest.approx([2 / 3, 1.0, 0.5])
+
+
+def test_replay_rounds_on_a_tiny_drafter(train_target, feature_cache):
+    cfg = DrafterConfig.from_target(train_target.config, block_size=4, markov_rank=8)
+    rounds = replay_rounds(init_drafter(train_target, cfg), feature_cache, stride=3)
+    assert rounds.conf_logits.shape == rounds.accepted.shape and rounds.accepted.shape[1] == 4
+    assert 1.0 <= rounds.acceptance_length() <= 5.0
+    assert not (rounds.accepted & ~rounds.valid).any()

@@ -1,0 +1,73 @@
+"""The training forward equals the inference forward, and the objective trains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_export.modeling.config import DrafterConfig
+from dspark_export.modeling.drafter import init_drafter
+from dspark_export.training.objective import LossWeights, block_forward, dspark_loss, make_batch, sample_anchors
+
+
+def test_sample_anchors_stay_inside_the_assistant_tokens():
+    rng = np.random.default_rng(0)
+    a = sample_anchors(prompt_len=5, length=30, n=8, rng=rng)
+    assert len(a) == 8 and list(a) == sorted(set(a))
+    assert a.min() >= 5 and a.max() <= 28
+    assert list(sample_anchors(5, 8, 10, rng)) == [5, 6]  # fewer candidates than n: all of them
+    assert len(sample_anchors(5, 6, 10, rng)) == 0  # one assistant token: no label after it
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_block_forward_matches_forward_block_per_anchor(train_target, feature_cache, layers):
+    cfg = DrafterConfig.from_target(train_target.config, num_draft_layers=layers, block_size=4, markov_rank=8)
+    drafter = init_drafter(train_target, cfg, seed=3)
+    seqs = [feature_cache[0], feature_cache[1]]
+    batch = make_batch(seqs, anchors_per_seq=5, block_size=4, rng=np.random.default_rng(1))
+    with torch.no_grad():
+        hidden, U = block_forward(drafter, batch)
+        for b, s in enumerate(seqs):
+            T = len(s.tokens)
+            ctx = drafter.context_kv(torch.from_numpy(s.aux), torch.arange(T))
+            for j in range(batch.anchors.shape[1]):
+                if not batch.keep[b, j]:
+                    continue
+                p = int(batch.anchors[b, j])
+                kv = [(k.transpose(0, 1)[None], v.transpose(0, 1)[None]) for k, v in ctx]  # [1, kvH, T, D]
+                h_ref, u_ref = drafter.forward_block(torch.tensor([s.tokens[p]]), torch.tensor([p]), kv,
+                                                     torch.tensor([p]))
+                torch.testing.assert_close(hidden[b, j], h_ref[0], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(U[b, j], u_ref[0], atol=1e-4, rtol=1e-4)
+
+
+def test_dspark_loss_terms_and_training_reduces_it(train_target, feature_cache):
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(train_target.config, num_draft_layers=1, block_size=4, markov_rank=8)
+    drafter = init_drafter(train_target, cfg, seed=0).train()
+    batch = make_batch([feature_cache[i] for i in range(4)], 8, 4, np.random.default_rng(0))
+    _, first = dspark_loss(drafter, batch, bf16=False)
+    assert set(first) >= {"ce", "l1", "bce", "accept_rate", "top1", "tau_probabilistic"}
+    assert 0 <= first["l1"] <= 2 and len(first["accept_rate"]) == 4
+    assert 1.0 <= first["tau_probabilistic"] <= 5.0
+    expected = 0.1 * first["ce"] + 0.9 * first["l1"] + first["bce"]
+    assert first["loss"] == pytest.approx(expected, rel=1e-5)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(30):
+        loss, metrics = dspark_loss(drafter, batch, bf16=False)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert metrics["loss"] < 0.7 * first["loss"]
+    assert metrics["tau_probabilistic"] > first["tau_probabilistic"]
+    # frozen shared tensors did not move
+    torch.testing.assert_close(drafter.lm_head.weight, train_target.model.get_output_embeddings().weight)
+
+
+def test_dflash_loss_has_no_confidence_term(train_target, feature_cache):
+    cfg = DrafterConfig.from_target(train_target.config, block_size=4, markov_rank=0, enable_confidence_head=False)
+    drafter = init_drafter(train_target, cfg)
+    batch = make_batch([feature_cache[0]], 4, 4, np.random.default_rng(0))
+    _, m = dspark_loss(drafter, batch, LossWeights(), bf16=False)
+    assert "bce" not in m and m["loss"] == pytest.approx(0.1 * m["ce"] + 0.9 * m["l1"], rel=1e-5)

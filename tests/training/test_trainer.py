@@ -1,0 +1,76 @@
+"""Feature cache and training loop: resumable, seeded, metrics logged."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_export.errors import ConfigError
+from dspark_export.modeling.config import default_target_layer_ids
+from dspark_export.training.features import FeatureCache, build_feature_cache
+from dspark_export.training.trainer import TrainConfig, train_drafter
+
+
+def test_feature_cache_matches_the_target(train_target, records, feature_cache):
+    assert len(feature_cache) == len(records)
+    s = feature_cache[3]
+    rec = records[3]
+    assert s.tokens.tolist() == rec["prompt_ids"] + rec["response_ids"] and s.prompt_len == len(rec["prompt_ids"])
+    with torch.no_grad():
+        out = train_target.model(input_ids=torch.from_numpy(s.tokens)[None], output_hidden_states=True)
+    ids = feature_cache.target_layer_ids
+    aux = torch.cat([out.hidden_states[l + 1][0] for l in ids], -1).numpy()
+    np.testing.assert_allclose(s.aux, aux, atol=2e-3, rtol=2e-3)  # float16 storage
+    logits = train_target.model.get_output_embeddings()(torch.from_numpy(s.last)).detach().numpy()
+    np.testing.assert_allclose(logits, out.logits[0].numpy(), atol=2e-2, rtol=1e-2)
+
+
+def test_feature_cache_resumes_and_rejects_other_taps(train_target, records, tmp_path):
+    ids = default_target_layer_ids(train_target.config.num_hidden_layers)
+    model = copy.deepcopy(train_target.model)
+    build_feature_cache(model, records[:4], ids, tmp_path, part_size=2, dtype=torch.float32)
+    stamp = (tmp_path / "part-00000" / "aux.npy").stat().st_mtime_ns
+    build_feature_cache(model, records[:6], ids, tmp_path, part_size=2, dtype=torch.float32)
+    assert (tmp_path / "part-00000" / "aux.npy").stat().st_mtime_ns == stamp  # kept, not recomputed
+    assert len(FeatureCache(tmp_path)) == 6
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        build_feature_cache(model, records[:2], ids[:1], tmp_path, part_size=2, dtype=torch.float32)
+
+
+def test_incomplete_cache_is_refused(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "complete": False, "parts": []}))
+    with pytest.raises(ConfigError, match="complete"):
+        FeatureCache(tmp_path)
+
+
+def _cfg(tmp_path, steps, **kw):
+    return TrainConfig(out_dir=str(tmp_path), steps=steps, seqs_per_step=2, anchors_per_seq=4, block_size=4,
+                       markov_rank=8, lr=3e-3, bf16=False, save_every=2, log_every=1, **kw)
+
+
+def test_training_is_seeded_and_resumes_exactly(train_target, feature_cache, tmp_path):
+    full = train_drafter(train_target, feature_cache, _cfg(tmp_path / "full", 6))
+    train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6), stop_at=3)  # "interrupted" at 3
+    resumed = train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6))
+    assert full.config.is_trained
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+    rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert len(rows[-1]["accept_rate"]) == 4 and "tau_probabilistic" in rows[-1]
+
+
+def test_resume_with_another_config_is_refused(train_target, feature_cache, tmp_path):
+    train_drafter(train_target, feature_cache, _cfg(tmp_path, 2))
+    with pytest.raises(ConfigError, match="markov_rank"):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path, 4).__class__(
+            **{**_cfg(tmp_path, 4).__dict__, "markov_rank": 4}))
+
+
+def test_dflash_variant_has_no_heads(train_target, feature_cache, tmp_path):
+    d = train_drafter(train_target, feature_cache, _cfg(tmp_path, 2, variant="dflash"))
+    assert d.markov_head is None and d.confidence_head is None
