@@ -111,9 +111,19 @@ def test_fixed_k_and_partial_domains(engine_dir, datasets_dir):  # noqa: F811
     assert result["identity"] == {"identical": None, "checked": 0} and row["identical"] is None
 
 
+def test_single_user_ar_baseline(engine_dir, datasets_dir):  # noqa: F811
+    """`ar` is the speed baseline (τ = 1); max_concurrency=1 runs one request at a time."""
+    cfg = AcceptanceBenchConfig(engine_dir, datasets=("gsm8k",), datasets_dir=datasets_dir, samples=2,
+                                policy="ar", max_new_tokens=5, warmup=False, max_concurrency=1)
+    result = run_acceptance_bench(cfg)
+    row = result["datasets"]["gsm8k"]
+    assert result["policy"] == "ar" and row["acceptance_length"] == 1.0 and row["mean_verify_len"] == 0
+    assert row["tokens_per_s"] > 0 and result["config"]["max_concurrency"] == 1
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(policy="dspark"), "policy: .*FIXED block.*fixed:K"),
-    (dict(policy="ar"), "policy: .*fixed:K"),
+    (dict(max_concurrency=0), "max_concurrency"),
     (dict(policy="threshold:0.5"), "policy: .*fixed:K"),
     (dict(policy="nope"), "policy: expected one of"),
     (dict(datasets=("gsm8k", "aime25")), r"aime25\.jsonl"),

@@ -2,10 +2,12 @@
 
 The DeepSpec offline protocol (reference §4): for each dataset, the first user turn of each row with
 the chat template, a FIXED verification block (default `fixed:γ`, γ = the engine's block size; any
-`fixed:K` with K ≤ γ is allowed, other policies are refused), no scheduler. If a file has more rows
+`fixed:K` with K ≤ γ is allowed; `ar` is allowed as the speed baseline (τ = 1 by definition); scheduling
+policies are refused), no scheduler. If a file has more rows
 than `samples`, its rows are shuffled with `random.Random(seed).shuffle` and the first `samples`
 are taken (seed default 980406, as in DeepSpec). All requests of a dataset run through one
-`Generator` (continuous batching; results are per request).
+`Generator` (continuous batching; results are per request), at most `max_concurrency` at a time
+(1 = one user at a time: `tokens_per_s` is then single-user speed).
 
 Per dataset:
 
@@ -79,6 +81,7 @@ class AcceptanceBenchConfig:
         chat: apply the tokenizer's chat template to each prompt.
         warmup: run one short unmeasured request before the first dataset (ORT lazy init).
         threads: ONNX Runtime intra-op threads per session; 0 = ORT's choice.
+        max_concurrency: requests decoded at once; None = the engine's largest request bucket.
     """
 
     engine_dir: str | Path
@@ -92,6 +95,7 @@ class AcceptanceBenchConfig:
     chat: bool = True
     warmup: bool = True
     threads: int = 0
+    max_concurrency: int | None = None
 
     def __post_init__(self):
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -102,14 +106,17 @@ class AcceptanceBenchConfig:
                 pol = parse_policy(self.policy)
             except RequestError as e:
                 raise ConfigError(str(e)) from None
-            if pol.name != "fixed":
+            if pol.name not in ("fixed", "ar"):
                 raise ConfigError(f"policy: the offline acceptance protocol verifies a FIXED block; expected "
-                                  f"fixed:K (default fixed:γ), found {self.policy!r} (no scheduler, no ar)")
+                                  f"fixed:K (default fixed:γ) or ar (the speed baseline), found {self.policy!r} "
+                                  "(no scheduler)")
             put("policy", str(pol))
 
         datasets, folder = check_datasets(self.datasets, self.datasets_dir)
         put("datasets", datasets)
         put("datasets_dir", folder)
+        if self.max_concurrency is not None and (not is_int(self.max_concurrency) or self.max_concurrency < 1):
+            raise ConfigError(f"max_concurrency: expected an integer >= 1 or None, found {self.max_concurrency!r}")
         if not is_int(self.samples) or self.samples < 1:
             raise ConfigError(f"samples: expected an integer >= 1, found {self.samples!r}")
         put("temperature", check_generation(self.max_new_tokens, self.temperature, seed=self.seed,
@@ -119,7 +126,8 @@ class AcceptanceBenchConfig:
         return {"engine_dir": str(self.engine_dir), "datasets": list(self.datasets),
                 "datasets_dir": str(self.datasets_dir), "samples": self.samples, "temperature": self.temperature,
                 "policy": self.policy, "max_new_tokens": self.max_new_tokens, "seed": self.seed,
-                "chat": self.chat, "warmup": self.warmup, "threads": self.threads}
+                "chat": self.chat, "warmup": self.warmup, "threads": self.threads,
+                "max_concurrency": self.max_concurrency}
 
 
 def select_rows(texts: list[str], samples: int, seed: int) -> list[int]:
@@ -156,7 +164,7 @@ def _run_dataset(name: str, cfg: AcceptanceBenchConfig, engines, policy, encode,
         raise ConfigError(f"dataset {name}: no selected prompt fits the engine's context ({limit} prompt tokens "
                           f"left after max_new_tokens); lower max_new_tokens")
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
-    gen = Generator(engines, policy)
+    gen = Generator(engines, policy, max_slots=cfg.max_concurrency)
     t0 = time.perf_counter()
     results = gen.generate(prompts, [params] * len(prompts))
     wall = time.perf_counter() - t0
@@ -222,7 +230,7 @@ def run_acceptance_bench(cfg: AcceptanceBenchConfig, progress: Callable[[str], N
     info = engines.manifest.runtime
     block_size, max_context = int(info["block_size"]), int(info["max_context"])
     policy = parse_policy(cfg.policy or f"fixed:{block_size}")
-    if policy.k > block_size:
+    if policy.name == "fixed" and policy.k > block_size:
         raise ConfigError(f"policy: {policy} verifies K={policy.k} drafts but this engine directory drafts "
                           f"{block_size} per block; use fixed:1..fixed:{block_size}")
     limit = max_context - cfg.max_new_tokens

@@ -24,7 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=20,
                         help="rows per dataset; seeded shuffle when the file has more (default 20)")
     parser.add_argument("--policy", default=None,
-                        help="fixed:K, K <= the engine's block size γ (default fixed:γ); other policies are refused")
+                        help="fixed:K, K <= the engine's block size γ (default fixed:γ), or ar (speed baseline); "
+                             "scheduling policies are refused")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="requests decoded at once (default: the engine's largest request bucket); "
+                             "1 measures single-user tokens/s")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
@@ -37,7 +41,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
         engine_dir=args.engine_dir, datasets=tuple(args.datasets), datasets_dir=args.datasets_dir,
         samples=args.samples, temperature=args.temperature, policy=args.policy,
         max_new_tokens=args.max_new_tokens, seed=args.seed, chat=not args.no_chat, warmup=not args.no_warmup,
-        threads=args.threads)
+        threads=args.threads, max_concurrency=args.max_concurrency)
     result = run_acceptance_bench(cfg, progress)
     write_outputs(result, args, write_reports, progress)
     identity = result["identity"]
