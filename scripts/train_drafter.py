@@ -56,7 +56,8 @@ def cmd_data(args, say):
     path, _ = _target(args)
     out = Path(args.run) / "data"
     out.mkdir(parents=True, exist_ok=True)
-    for part, limit, frac in (("train", args.limit, args.sampled_fraction), ("calibration", None, 0.0)):
+    for part, limit, frac in (("train", args.limit, args.sampled_fraction),
+                              ("calibration", args.calibration_limit, 0.0)):
         generate_responses(path, split, part, folder, out / f"{part}.jsonl", max_new_tokens=args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=frac, limit=limit,
                            batch=args.batch, seed=args.seed, progress=say)
@@ -92,10 +93,13 @@ def cmd_train(args, say):
     t0 = time.perf_counter()
     drafter = train_drafter(target, FeatureCache(Path(args.run) / "features" / "train"), cfg, progress=say,
                             time_budget_s=args.time_budget)
-    state = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    if state["step"] < cfg.steps:
-        say(f"stopped at step {state['step']} of {cfg.steps}; run the same command again to continue")
+    import torch
+
+    step = torch.load(out / "training_state.pt", weights_only=False)["step"]
+    if step < cfg.steps:
+        say(f"stopped at step {step} of {cfg.steps} (state saved); run the same command again to continue")
         return
+    state = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     save_drafter(drafter, out / "drafter")
     (out / "train_summary.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                                         "wall_s_this_call": round(time.perf_counter() - t0, 1),
@@ -160,6 +164,7 @@ def parse_args(argv=None):
     p = sub.add_parser("data", parents=[common])
     p.add_argument("--datasets-dir")
     p.add_argument("--limit", type=int, default=1400, help="training prompts at most (seeded shuffle)")
+    p.add_argument("--calibration-limit", type=int, default=None, help="calibration prompts at most (default all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--sampled-fraction", type=float, default=0.3)

@@ -169,7 +169,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                     f"{seen / el:.0f} blocks/s, {el:.0f} s")
             if step % cfg.save_every == 0 or step == cfg.steps:
                 save()
-        if step % cfg.save_every and step != cfg.steps:
+        if step % cfg.save_every or step == 0:  # an early stop keeps its state too
             save()
     drafter.config = dcfg.replace(is_trained=True)
     return drafter.eval()

@@ -1,0 +1,45 @@
+"""scripts/train_drafter.py end to end on a tiny target: data → features → train → calibrate → export."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_export.bench.common import default_datasets_dir
+from dspark_export.modeling.checkpoint import read_drafter_config
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_drafter.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_drafter_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(default_datasets_dir() is None, reason="../shared/eval_datasets is not present")
+def test_train_script_stages(tiny_target_dir, tmp_path):
+    main = _script().main
+    run = ["--run", str(tmp_path / "run"), "--target", str(tiny_target_dir)]
+    assert main(["data", *run, "--limit", "3", "--calibration-limit", "3", "--max-new-tokens", "12",
+                 "--batch", "2", "--sampled-fraction", "0.5"]) == 0
+    lines = (tmp_path / "run" / "data" / "train.jsonl").read_text().splitlines()
+    assert 1 <= len(lines) <= 3 and all(len(json.loads(x)["response_ids"]) <= 12 for x in lines)
+    assert main(["features", *run, "--dtype", "float32"]) == 0
+    assert main(["train", *run, "--name", "d", "--steps", "2", "--seqs-per-step", "1", "--anchors-per-seq", "4",
+                 "--markov-rank", "8"]) == 0
+    assert main(["calibrate", *run, "--name", "d", "--stride", "1"]) == 0
+    summary = json.loads((tmp_path / "run" / "d" / "calibration" / "summary.json").read_text())
+    assert summary["acceptance_length"] >= 1 and len(summary["sts"]["confidence_temperature"]) == 7
+    assert (tmp_path / "run" / "d" / "calibration" / "reliability.png").is_file()
+    assert main(["export", *run, "--name", "d", "--out", str(tmp_path / "shipped")]) == 0
+    assert read_drafter_config(tmp_path / "shipped").is_trained
+    assert (tmp_path / "shipped" / "calibration.json").is_file()
+    # an interrupted run says so and leaves no drafter folder
+    assert main(["train", *run, "--name", "e", "--steps", "50", "--seqs-per-step", "1", "--anchors-per-seq", "4",
+                 "--markov-rank", "8", "--time-budget", "0"]) == 0
+    assert not (tmp_path / "run" / "e" / "drafter").exists()
