@@ -108,6 +108,8 @@ def cmd_train(args, say):
 
 
 def cmd_calibrate(args, say):
+    import numpy as np
+
     from dspark_export.modeling.checkpoint import load_drafter
     from dspark_export.training.calibration import fit_sts, reliability_diagram, replay_rounds, write_calibration
     from dspark_export.training.features import FeatureCache
@@ -118,6 +120,8 @@ def cmd_calibrate(args, say):
     rounds = replay_rounds(drafter, FeatureCache(Path(args.run) / "features" / "calibration"), stride=args.stride)
     out = run / "calibration"
     out.mkdir(exist_ok=True)
+    np.savez_compressed(out / "rounds.npz", conf_logits=rounds.conf_logits, accepted=rounds.accepted,
+                        valid=rounds.valid, sources=np.array(rounds.sources))
     per_dataset = {}
     for name in sorted(set(rounds.sources)):
         m = [s == name for s in rounds.sources]

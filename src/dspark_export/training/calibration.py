@@ -32,7 +32,7 @@ __all__ = ["Rounds", "replay_rounds", "expected_calibration_error", "fit_sts", "
 
 #: Written next to a drafter checkpoint; `dspark-export build` copies the temperatures into the manifest.
 CALIBRATION_FILE = "calibration.json"
-DEFAULT_GRID = np.round(np.exp(np.linspace(np.log(0.2), np.log(5.0), 97)), 4)
+DEFAULT_GRID = np.round(np.exp(np.linspace(np.log(0.1), np.log(20.0), 161)), 4)
 
 
 @dataclass
