@@ -95,7 +95,7 @@ def cmd_train(args, say):
                             time_budget_s=args.time_budget)
     import torch
 
-    step = torch.load(out / "training_state.pt", weights_only=False)["step"]
+    step = torch.load(out / "training_state.pt", weights_only=True)["step"]
     if step < cfg.steps:
         say(f"stopped at step {step} of {cfg.steps} (state saved); run the same command again to continue")
         return

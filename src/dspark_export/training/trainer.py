@@ -113,7 +113,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     state_path = out / "training_state.pt"
     cfg_dict = dataclasses.asdict(cfg)
     if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=True)
         saved = {k: v for k, v in state["config"].items() if k not in ("steps", "save_every", "log_every", "threads")}
         mine = {k: v for k, v in cfg_dict.items() if k not in ("steps", "save_every", "log_every", "threads")}
         if saved != mine:
