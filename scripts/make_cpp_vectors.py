@@ -53,11 +53,17 @@ def _random_profile(rng: np.random.Generator) -> ThroughputProfile:
         sps = rng.uniform(5, 100, size=n)
     else:              # flat then a cliff
         sps = np.where(buckets <= rng.integers(1, 129), 80.0, 20.0) + rng.uniform(0, 1e-3, size=n)
-    return ThroughputProfile(tuple(int(b) for b in buckets), tuple(float(s) for s in sps))
+    draft_r, draft_ms = (), ()
+    if rng.random() < 0.5:     # with the drafter cost (sps.json drafter_block rows)
+        draft_r = tuple(int(r) for r in np.sort(rng.choice(np.arange(1, 33), size=int(rng.integers(1, 6)),
+                                                           replace=False)))
+        draft_ms = tuple(float(m) for m in rng.uniform(0, 40, len(draft_r)))
+    return ThroughputProfile(tuple(int(b) for b in buckets), tuple(float(s) for s in sps), draft_r, draft_ms)
 
 
 def _profile_json(p: ThroughputProfile) -> dict:
-    return {"buckets": list(p.buckets), "sps": list(p.steps_per_s)}
+    return {"buckets": list(p.buckets), "sps": list(p.steps_per_s), "draft_requests": list(p.draft_requests),
+            "draft_ms": list(p.draft_ms)}
 
 
 def _random_confidence(rng: np.random.Generator, rows: int, gamma: int) -> np.ndarray:
@@ -131,7 +137,7 @@ def profile_vectors(rng: np.random.Generator, cases: int) -> dict:
         p = _random_profile(rng)
         queries = [int(q) for q in rng.integers(0, p.max_tokens + 3, 8)]
         lookups.append({**_profile_json(p), "queries": queries, "expected": [float(p.sps(q)) for q in queries],
-                        "max_tokens": p.max_tokens})
+                        "expected_draft_s": [p.draft_seconds(q) for q in queries], "max_tokens": p.max_tokens})
     invalid = []
     for buckets, sps in [([], []), ([1, 2], [10.0]), ([2, 1], [5.0, 4.0]), ([1, 1], [5.0, 4.0]), ([0, 2], [5.0, 4.0]),
                          ([1, 2], [5.0, 0.0]), ([1, 2], [5.0, -1.0]), ([1, 2], [5.0, float("inf")])]:
@@ -144,7 +150,8 @@ def profile_vectors(rng: np.random.Generator, cases: int) -> dict:
     # the sps.json form (rows of a real profile)
     sps_json = {"target": [{"B": 4, "median_ms": 42.4, "p10_ms": 41.0, "p90_ms": 44.0, "sps": 23.6},
                            {"B": 1, "median_ms": 30.8, "p10_ms": 30.0, "p90_ms": 31.0, "sps": 32.5},
-                           {"B": 2, "median_ms": 38.5, "p10_ms": 38.0, "p90_ms": 39.0, "sps": 26.0}]}
+                           {"B": 2, "median_ms": 38.5, "p10_ms": 38.0, "p90_ms": 39.0, "sps": 26.0}],
+                "drafter_block": [{"R": 2, "median_ms": 21.8}, {"R": 1, "median_ms": 14.1}]}
     parsed = ThroughputProfile.from_json(sps_json)
     return {"lookups": lookups, "invalid": invalid,
             "sps_json": {"data": sps_json, **_profile_json(parsed)}}

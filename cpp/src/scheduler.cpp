@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <sstream>
 
@@ -70,17 +71,26 @@ void SortedCandidates(const std::vector<double>& survival, int64_t rows, int64_t
 }
 
 // K: early_stop → the last k before the first Θ_k ≤ Θ_{k-1}; else the first argmax of Θ.
+// Θ_k = τ_k·SPS(R+k), or with the drafter cost τ_k / (1/SPS(R+k) + d(R)), where k = 0 pays d(R) only
+// when draft_at_zero (dspark-async may skip the drafter when it verifies nothing).
 int64_t SearchCapacity(const std::vector<double>& ranked, int64_t num_requests, const ThroughputProfile& profile,
-                       bool early_stop) {
+                       bool early_stop, bool draft_at_zero = true) {
   const size_t n = ranked.size();
   std::vector<double> tau(n + 1);
   tau[0] = 0.0;
   double acc = 0.0;
   for (size_t i = 0; i < n; ++i) tau[i + 1] = (acc += ranked[i]);
   std::vector<double> theta(n + 1);
+  const double draft = profile.DraftSeconds(num_requests);
   for (size_t k = 0; k <= n; ++k) {
     double t = tau[k] + static_cast<double>(num_requests);
-    theta[k] = t * profile.Sps(num_requests + static_cast<int64_t>(k));
+    double sps = profile.Sps(num_requests + static_cast<int64_t>(k));
+    if (!profile.has_draft_cost()) {
+      theta[k] = t * sps;
+    } else {
+      double step_s = sps > 0 ? 1.0 / sps : std::numeric_limits<double>::infinity();
+      theta[k] = t / (step_s + ((k == 0 && !draft_at_zero) ? 0.0 : draft));
+    }
   }
   if (!early_stop) return std::max_element(theta.begin(), theta.end()) - theta.begin();
   for (size_t k = 1; k <= n; ++k)
@@ -98,7 +108,15 @@ std::vector<int64_t> TopKLengths(const std::vector<int64_t>& order, int64_t num_
 
 // ---------------------------------------------------------------------------- ThroughputProfile
 Status ThroughputProfile::Create(std::vector<int64_t> buckets, std::vector<double> steps_per_s,
-                                 ThroughputProfile* out) {
+                                 ThroughputProfile* out, std::vector<int64_t> draft_requests,
+                                 std::vector<double> draft_ms) {
+  bool drafts_ok = draft_requests.size() == draft_ms.size() && (draft_requests.empty() || draft_requests[0] >= 1);
+  for (size_t i = 1; i < draft_requests.size() && drafts_ok; ++i) drafts_ok = draft_requests[i] > draft_requests[i - 1];
+  for (double ms : draft_ms) drafts_ok = drafts_ok && std::isfinite(ms) && ms >= 0;
+  if (!drafts_ok) {
+    return Status(StatusCode::kProfile, "profile: drafter rows must pair strictly increasing request buckets >= 1 "
+                                        "with finite latencies >= 0 ms");
+  }
   if (buckets.empty() || buckets.size() != steps_per_s.size()) {
     return Status(StatusCode::kProfile, "profile: expected equal, non-empty lists of buckets and SPS, found " +
                                             std::to_string(buckets.size()) + " buckets and " +
@@ -113,6 +131,8 @@ Status ThroughputProfile::Create(std::vector<int64_t> buckets, std::vector<doubl
     }
   }
   ThroughputProfile p;
+  p.draft_requests_ = std::move(draft_requests);
+  p.draft_ms_ = std::move(draft_ms);
   p.buckets_ = std::move(buckets);
   p.steps_per_s_ = std::move(steps_per_s);
   p.effective_.assign(p.steps_per_s_.size() + 1, 0.0);
@@ -122,7 +142,7 @@ Status ThroughputProfile::Create(std::vector<int64_t> buckets, std::vector<doubl
   return Status::Ok();
 }
 
-Status ThroughputProfile::FromSpsJson(const std::string& json_text, ThroughputProfile* out) {
+Status ThroughputProfile::FromSpsJson(const std::string& json_text, ThroughputProfile* out, bool use_drafter) {
   nlohmann::json data = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (data.is_discarded()) return Status(StatusCode::kProfile, "profile: sps.json is not valid JSON");
   if (!data.is_object() || !data.contains("target") || !data["target"].is_array() || data["target"].empty()) {
@@ -143,7 +163,25 @@ Status ThroughputProfile::FromSpsJson(const std::string& json_text, ThroughputPr
     b.push_back(bucket);
     s.push_back(sps);
   }
-  return Create(std::move(b), std::move(s), out);
+  std::vector<std::pair<int64_t, double>> drows;
+  if (use_drafter && data.contains("drafter_block") && data["drafter_block"].is_array()) {
+    for (const auto& row : data["drafter_block"]) {
+      if (!row.is_object() || !row.contains("R") || !row.contains("median_ms") || !row["R"].is_number_integer() ||
+          !row["median_ms"].is_number()) {
+        return Status(StatusCode::kProfile,
+                      "profile: every 'drafter_block' row needs an integer 'R' and a numeric 'median_ms'");
+      }
+      drows.emplace_back(row["R"].get<int64_t>(), row["median_ms"].get<double>());
+    }
+  }
+  std::sort(drows.begin(), drows.end());
+  std::vector<int64_t> dr;
+  std::vector<double> dms;
+  for (auto& [r, ms] : drows) {
+    dr.push_back(r);
+    dms.push_back(ms);
+  }
+  return Create(std::move(b), std::move(s), out, std::move(dr), std::move(dms));
 }
 
 Status ThroughputProfile::FromFile(const std::string& path, ThroughputProfile* out) {
@@ -153,6 +191,13 @@ Status ThroughputProfile::FromFile(const std::string& path, ThroughputProfile* o
   ss << f.rdbuf();
   Status st = FromSpsJson(ss.str(), out);
   return st.ok() ? st : Status(st.code(), path + ": " + st.message());
+}
+
+double ThroughputProfile::DraftSeconds(int64_t num_requests) const {
+  if (draft_requests_.empty()) return 0.0;
+  size_t i = static_cast<size_t>(std::lower_bound(draft_requests_.begin(), draft_requests_.end(), num_requests) -
+                                 draft_requests_.begin());
+  return draft_ms_[std::min(i, draft_ms_.size() - 1)] / 1000.0;
 }
 
 double ThroughputProfile::Sps(int64_t num_tokens) const {
@@ -252,7 +297,7 @@ static Status DsparkAsyncLengths(const ConfidenceView& c, const ConfidenceView* 
   std::vector<double> positive;
   for (double v : lagged_a)
     if (v > 0) positive.push_back(v);
-  int64_t k = SearchCapacity(positive, c.rows, profile, /*early_stop=*/false);
+  int64_t k = SearchCapacity(positive, c.rows, profile, /*early_stop=*/false, /*draft_at_zero=*/false);
   std::vector<int64_t> order;
   std::vector<double> ranked;
   SortedCandidates(a, c.rows, c.cols, &order, &ranked);

@@ -72,6 +72,7 @@ TEST(Policy, ParseMatchesPython) {
 TEST(Policy, VerifyLengthsMatchPython) {
   json data = ReadJson("policies.json");
   std::map<std::string, int> per_policy;
+  int with_draft_cost = 0;
   for (const auto& c : data["cases"]) {
     dspark::Policy policy;
     ASSERT_TRUE(dspark::Policy::Parse(c["policy"], &policy).ok());
@@ -83,8 +84,11 @@ TEST(Policy, VerifyLengthsMatchPython) {
     dspark::ThroughputProfile profile;
     if (!c["profile"].is_null()) {
       ASSERT_TRUE(dspark::ThroughputProfile::Create(c["profile"]["buckets"].get<std::vector<int64_t>>(),
-                                                    c["profile"]["sps"].get<std::vector<double>>(), &profile)
+                                                    c["profile"]["sps"].get<std::vector<double>>(), &profile,
+                                                    c["profile"]["draft_requests"].get<std::vector<int64_t>>(),
+                                                    c["profile"]["draft_ms"].get<std::vector<double>>())
                       .ok());
+      with_draft_cost += profile.has_draft_cost();
     }
     std::vector<float> lagged_data;
     dspark::ConfidenceView lagged;
@@ -107,6 +111,7 @@ TEST(Policy, VerifyLengthsMatchPython) {
   for (const char* name : {"ar", "fixed", "threshold", "dspark", "dspark-async"}) {
     EXPECT_GE(per_policy[name], 1000) << name;
   }
+  EXPECT_GE(with_draft_cost, 500);  // about half of the dspark cases price the drafter
 }
 
 TEST(Policy, WorkedExampleFromTheDocstring) {
@@ -149,11 +154,17 @@ TEST(Profile, LookupsMatchPython) {
   for (const auto& c : data["lookups"]) {
     dspark::ThroughputProfile p;
     ASSERT_TRUE(dspark::ThroughputProfile::Create(c["buckets"].get<std::vector<int64_t>>(),
-                                                  c["sps"].get<std::vector<double>>(), &p).ok());
+                                                  c["sps"].get<std::vector<double>>(), &p,
+                                                  c["draft_requests"].get<std::vector<int64_t>>(),
+                                                  c["draft_ms"].get<std::vector<double>>()).ok());
     EXPECT_EQ(p.max_tokens(), c["max_tokens"].get<int64_t>());
     const auto queries = c["queries"].get<std::vector<int64_t>>();
     const auto expected = c["expected"].get<std::vector<double>>();
-    for (size_t i = 0; i < queries.size(); ++i) EXPECT_EQ(p.Sps(queries[i]), expected[i]) << "B=" << queries[i];
+    const auto expected_draft = c["expected_draft_s"].get<std::vector<double>>();
+    for (size_t i = 0; i < queries.size(); ++i) {
+      EXPECT_EQ(p.Sps(queries[i]), expected[i]) << "B=" << queries[i];
+      EXPECT_EQ(p.DraftSeconds(queries[i]), expected_draft[i]) << "R=" << queries[i];
+    }
   }
   for (const auto& c : data["invalid"]) {
     std::vector<double> sps;
@@ -167,6 +178,10 @@ TEST(Profile, LookupsMatchPython) {
   ASSERT_TRUE(dspark::ThroughputProfile::FromSpsJson(data["sps_json"]["data"].dump(), &p).ok());
   EXPECT_EQ(p.buckets(), data["sps_json"]["buckets"].get<std::vector<int64_t>>());
   EXPECT_EQ(p.steps_per_s(), data["sps_json"]["sps"].get<std::vector<double>>());
+  EXPECT_TRUE(p.has_draft_cost());
+  EXPECT_EQ(p.DraftSeconds(1), data["sps_json"]["draft_ms"][0].get<double>() / 1000.0);
+  ASSERT_TRUE(dspark::ThroughputProfile::FromSpsJson(data["sps_json"]["data"].dump(), &p, false).ok());
+  EXPECT_FALSE(p.has_draft_cost());
   EXPECT_FALSE(dspark::ThroughputProfile::FromSpsJson("{\"target\": []}", &p).ok());
   EXPECT_FALSE(dspark::ThroughputProfile::FromSpsJson("not json", &p).ok());
   EXPECT_FALSE(dspark::ThroughputProfile::FromSpsJson("{\"target\": [{\"B\": \"4\", \"sps\": 1}]}", &p).ok());

@@ -25,15 +25,20 @@ namespace dspark {
 // SPS(B): target steps per second per bucket of B verification tokens (profile/sps.json).
 // SPS of any B is the best SPS among the buckets ≥ B (the runtime pads a step up to the fastest engine
 // that holds it); beyond the largest bucket SPS is 0 (the step cannot run).
+// Optional drafter cost d(R) (sps.json "drafter_block" rows): the policies then rate a step at
+// τ / (1/SPS(B) + d(R)) instead of τ·SPS(B) (runtime/scheduler.py ThroughputProfile explains why).
 class ThroughputProfile {
  public:
   ThroughputProfile() = default;
 
-  // Validates: non-empty, equal lengths, buckets ≥ 1 and strictly increasing, SPS finite and > 0.
+  // Validates: non-empty, equal lengths, buckets ≥ 1 and strictly increasing, SPS finite and > 0;
+  // drafter rows (optional): request buckets ≥ 1 strictly increasing, latencies finite ≥ 0 ms.
   // Errors: kProfile naming the problem.
-  static Status Create(std::vector<int64_t> buckets, std::vector<double> steps_per_s, ThroughputProfile* out);
-  // From the text of profile/sps.json: its "target" rows {"B": int, "sps": number, ...}, any order.
-  static Status FromSpsJson(const std::string& json_text, ThroughputProfile* out);
+  static Status Create(std::vector<int64_t> buckets, std::vector<double> steps_per_s, ThroughputProfile* out,
+                       std::vector<int64_t> draft_requests = {}, std::vector<double> draft_ms = {});
+  // From the text of profile/sps.json: its "target" rows {"B": int, "sps": number, ...}, any order, and
+  // (with use_drafter) its "drafter_block" rows {"R": int, "median_ms": number, ...}.
+  static Status FromSpsJson(const std::string& json_text, ThroughputProfile* out, bool use_drafter = true);
   static Status FromFile(const std::string& path, ThroughputProfile* out);
 
   // SPS (steps/s) of the fastest bucket ≥ num_tokens; 0 beyond the largest bucket.
@@ -42,10 +47,15 @@ class ThroughputProfile {
   const std::vector<int64_t>& buckets() const { return buckets_; }
   const std::vector<double>& steps_per_s() const { return steps_per_s_; }
   bool empty() const { return buckets_.empty(); }
+  bool has_draft_cost() const { return !draft_requests_.empty(); }
+  // d(R) in seconds: the smallest drafter bucket ≥ R (the largest beyond it); 0 without drafter rows.
+  double DraftSeconds(int64_t num_requests) const;
 
  private:
   std::vector<int64_t> buckets_;
   std::vector<double> steps_per_s_;
+  std::vector<int64_t> draft_requests_;
+  std::vector<double> draft_ms_;
   std::vector<double> effective_;  // suffix maximum of steps_per_s_, then a trailing 0
 };
 

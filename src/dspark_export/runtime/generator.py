@@ -34,11 +34,13 @@ from ..errors import EngineDirError, RequestError
 from .kv_cache import KVCache
 from .policies import Policy
 from .request import GenerationResult, SamplingParams
-from .scheduler import ThroughputProfile
+from .scheduler import ThroughputProfile, dspark_async_capacity
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Generator"]
+
+_MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps between drafter probes
 
 
 def _load_profile(engines: EngineSet) -> ThroughputProfile:
@@ -116,6 +118,8 @@ class Generator:
                              self.max_tokens // (self.block_size + 1))
         self.profile = _load_profile(engines) if policy.needs_profile else None
         self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
+        self._skipped, self._probe_interval = 0, _MIN_PROBE_INTERVAL  # dspark-async drafter skipping
+        self.drafts_skipped = 0  # steps whose drafter block was skipped (dspark-async), for benchmarks
         self._lock = threading.Lock()
         self._waiting: deque[_State] = deque()
         self._slots: list[_State | None] = []
@@ -273,7 +277,8 @@ class Generator:
     def _step(self, active: list[_State]) -> None:
         """Draft → schedule → one packed target pass (verification rows + prefill chunks) → verify → commit."""
         decoding = [s for s in active if s.decoding]
-        drafts = self._draft(decoding) if self.policy.drafts and decoding else None
+        drafts = self._draft(decoding) if self.policy.drafts and decoding and not self._skip_drafting(decoding) \
+            else None
         verify_lens = self._schedule(decoding, drafts)
         segments = [Segment(s.slot, np.concatenate([[s.anchor], drafts["draft_ids"][s.slot, :verify_lens[s.slot]]])
                             if drafts else np.array([s.anchor]), s.start) for s in decoding]
@@ -306,6 +311,30 @@ class Generator:
             self._emit(s, committed + [int(next_ids[s.slot])], rounds=1)
         for s in finishing:
             self._emit(s, [int(next_ids[s.slot])], rounds=0)
+
+    def _skip_drafting(self, decoding: list[_State]) -> bool:
+        """dspark-async with a known drafter cost: skip the drafter block when the capacity K* from earlier
+        confidences is 0 (nothing would be verified, `scheduler.dspark_async_capacity`).
+
+        Skipping gives no new confidences, so every `probe_interval` skipped steps the history is cleared:
+        the next steps draft again (Algorithm 1 on fresh confidences, then K* from them). The interval
+        doubles after each probe that ends in another skip (4, 8, ..., 64 steps) and drops back to 4 when
+        drafting pays again. The drafter context keeps growing with every committed token either way
+        (`_commit`), so a skipped block never leaves the drafter state stale (failure case SD-20).
+        """
+        if self.policy.name != "dspark-async" or self.profile is None or not self.profile.has_draft_cost \
+                or len(self._history) < 2:
+            return False
+        if self._skipped >= self._probe_interval:
+            self._history, self._skipped = [], 0
+            self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
+            return False
+        if dspark_async_capacity(self._history[0], len(decoding), self.profile) > 0:
+            self._probe_interval = _MIN_PROBE_INTERVAL
+            return False
+        self._skipped += 1
+        self.drafts_skipped += 1
+        return True
 
     def _schedule(self, decoding: list[_State], drafts) -> dict[int, int]:
         """Verify lengths ℓ per decoding slot, capped so a round never passes max_new_tokens or capacity."""
