@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="check every node (function bodies and If branches included) against TensorRT's ONNX "
                         "operator table; exit 1 if one would not parse")
     i.add_argument("--trt-version", type=int, default=10, help="TensorRT major version to check against (10)")
+    i.add_argument("--trt-minor", type=int, default=15,
+                   help="TensorRT minor release targeted (15, the table's edition); below 8 the plugin nodes block, "
+                        "since ahead-of-time Python plugins need TensorRT >= 10.8")
     i.add_argument("--json", action="store_true", help="one JSON object on stdout instead of tables")
     return p
 
@@ -232,7 +235,8 @@ def cmd_profile(args) -> int:
 def cmd_inspect(args) -> int:
     from .engines.inspect import inspect_engine_dir
 
-    report = inspect_engine_dir(args.dir, trt_compat=args.trt_compat, trt_version=args.trt_version)
+    report = inspect_engine_dir(args.dir, trt_compat=args.trt_compat, trt_version=args.trt_version,
+                                trt_minor=args.trt_minor)
     print(json.dumps(report.to_dict()) if args.json else report.format_text())
     return report.exit_code
 
