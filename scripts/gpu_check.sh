@@ -126,7 +126,7 @@ run_stage kernels 200 "reference-equal, timed, AOT assembled (gpu_kernels.json)"
 # -- TensorRT -------------------------------------------------------------------------------------------
 if "$PY" -c "import tensorrt" > /dev/null 2>&1; then
   run_stage trt-tests 240 "plugins in engines, tiny dir built/compared/profiled/generated" \
-    "$PY" -m pytest -q -x -rs -p no:cacheprovider \
+    "$PY" -m pytest -q -rs -p no:cacheprovider \
       tests/plugins/test_tensorrt_plugins.py::test_plugin_engine_matches_reference \
       tests/engines/test_trt_backend.py::test_build_compare_and_generate_with_tensorrt
   if [[ -n "${DSPARK_ENGINE_DIR:-}" && -d "${DSPARK_ENGINE_DIR}" ]]; then

@@ -228,3 +228,34 @@ def test_compare_runners_verdict_and_errors():
     assert not passed and outputs["y"]["max_abs"] == pytest.approx(0.01, abs=1e-6) and outputs["i"]["max_abs"] == 0
     passed, _ = compare_runners([a, b], feed, atol=0.1, rtol=0.0)
     assert passed
+
+
+def test_dropping_tensorrt_entries_leaves_a_valid_directory(engine_dir, tmp_path):
+    """The overwrite path's bookkeeping: TensorRT entries and files go, the ONNX Runtime directory stays intact.
+    (The 'plan' written here is bytes for the bookkeeping only; nothing loads it.)"""
+    import shutil
+
+    from dspark_export.engines.inspect import inspect_engine_dir
+    from dspark_export.engines.manifest import EngineKey, write_json_atomic
+    from dspark_export.engines.trt.builder import TRT_DIR, _drop_tensorrt
+
+    work = tmp_path / "dir"
+    shutil.copytree(engine_dir, work)
+    for p in [work, *work.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    manifest = Manifest.load(work)
+    key = EngineKey("verify", "tensorrt", "R", 1)
+    (work / TRT_DIR).mkdir(parents=True)
+    (work / TRT_DIR / "verify.plan").write_bytes(b"bookkeeping only")
+    write_json_atomic(work / key.path, {"key": key.to_dict(), "plan": f"{TRT_DIR}/verify.plan", "profile_index": 0})
+    shutil.copy(work / "graphs" / "verify.onnx", work / "graphs" / "verify.trt.onnx")
+    manifest.data["engines"].append({"key": key.to_dict(), "path": key.path})
+    manifest.data["backends"] = {"tensorrt": {"gpu": None}}
+    manifest.record_files([key.path, f"{TRT_DIR}/verify.plan", "graphs/verify.trt.onnx"])
+    manifest.save()
+    assert inspect_engine_dir(work).summary["engines"]["verify@tensorrt"]["buckets"] == [1]
+    _drop_tensorrt(Manifest.load(work))
+    report = inspect_engine_dir(work)  # verifies sizes, hashes and that no file is unlisted
+    assert "verify@tensorrt" not in report.summary["engines"] and not list((work / TRT_DIR).glob("*"))
+    assert not (work / "graphs" / "verify.trt.onnx").exists()
+    assert Manifest.load(work).data.get("backends", {}) == {}

@@ -143,9 +143,11 @@ def build_trt_engines(cfg: TrtBuildConfig, progress: Progress | None = None) -> 
     versions = {"tensorrt": trt.__version__, "gpu": gpu}
     written: list[str] = []
     trt_dir = root / TRT_DIR
-    try:
-        if cfg.overwrite and trt_dir.exists():
+    if existing:  # unlist the old TensorRT files first, so a failed rebuild leaves a valid ONNX Runtime directory
+        _drop_tensorrt(manifest)
+        if trt_dir.exists():
             shutil.rmtree(trt_dir)
+    try:
         trt_dir.mkdir(parents=True, exist_ok=True)
         entries = []
         for graph, item in plan["graphs"].items():
@@ -192,6 +194,20 @@ def build_trt_engines(cfg: TrtBuildConfig, progress: Progress | None = None) -> 
         for rel in written:
             (root / rel).unlink(missing_ok=True)
         raise
+
+
+def _drop_tensorrt(manifest: Manifest) -> None:
+    """Remove every TensorRT engine, lowered graph and profile from the manifest (saved), then the files."""
+    root = manifest.root
+    rels = [rel for rel in manifest.data["files"]
+            if rel.startswith((TRT_DIR + "/", "profile/tensorrt/")) or rel.endswith(LOWERED_SUFFIX)]
+    manifest.data["engines"] = [e for e in manifest.data["engines"] if e["key"]["backend"] != "tensorrt"]
+    manifest.data.get("backends", {}).pop("tensorrt", None)
+    for rel in rels:
+        manifest.data["files"].pop(rel)
+    manifest.save()
+    for rel in rels:
+        (root / rel).unlink(missing_ok=True)
 
 
 def _network_flags(trt) -> list:
