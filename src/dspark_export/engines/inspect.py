@@ -395,8 +395,8 @@ def _format_trt(report: InspectReport) -> list[str]:
     by_plugin: dict[str, list[Finding]] = {}
     for f in fallback:
         by_plugin.setdefault(f.fallback, []).append(f)
-    out.append(f"  canonical graphs without the lowering: errors inside the ops' ONNX function bodies ({len(fallback)}; "
-               "what TensorRT 10.0-10.6, or a later release without our plugins registered, would import; the "
+    out.append(f"  canonical graphs without the lowering: errors inside the ops' ONNX function bodies "
+               f"({len(fallback)}; what TensorRT 10.0-10.6, or a later release without our plugins registered, would import; the "
                "lowered graphs have no function bodies):")
     out += rows_of(fallback)
     out.append(f"  warnings ({len(warnings)}):")

@@ -180,7 +180,8 @@ def _trim_scratch(ptx: str, metadata, expected: int) -> tuple[str, int]:
         if match is None:
             raise PluginError(f"{name}: unexpected parameter declaration {decl!r}")
         if re.search(rf"\b{match.group(1)}\b", body):
-            raise PluginError(f"{name}: trailing parameter {match.group(1)} is read by the kernel; it cannot be dropped")
+            raise PluginError(f"{name}: trailing parameter {match.group(1)} is read by the kernel; it cannot be "
+                              "dropped")
     if extra == 0:
         return ptx, len(params)
     head_start = ptx.index("(", ptx.index(f".entry {name}")) + 1

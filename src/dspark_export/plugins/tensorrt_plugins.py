@@ -1,4 +1,4 @@
-"""TensorRT plugins of ``dspark::MarkovDraft`` and ``dspark::SpeculativeVerify`` (``tensorrt.plugin``, TensorRT >= 10.8).
+"""TensorRT plugins of ``dspark::MarkovDraft`` and ``dspark::SpeculativeVerify`` (``tensorrt.plugin``, >= 10.8).
 
 Each op is a quickly-deployable Python plugin with three definitions (TensorRT's ``tensorrt.plugin``
 module: ``register``, ``aot_impl``, ``impl``):

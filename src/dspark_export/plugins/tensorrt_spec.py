@@ -160,7 +160,8 @@ class PluginSpec:
                 raise PluginError(f"{self.plugin_id}: field {f.name!r} expected a power of two, found {value}")
             out[f.name] = value
         if "block_v" in out and out["block_v"] < 16:
-            raise PluginError(f"{self.plugin_id}: field 'block_v' expected a power of two >= 16, found {out['block_v']}")
+            raise PluginError(f"{self.plugin_id}: field 'block_v' expected a power of two >= 16, "
+                              f"found {out['block_v']}")
         return out
 
 

@@ -39,7 +39,6 @@ from onnx import helper, numpy_helper
 
 from ...errors import BuildError, PluginError
 from ...plugins.common import DOMAIN
-from ...plugins.markov_draft.schema import MarkovDraftConfig
 from ...plugins.tensorrt_spec import PLUGIN_NAMESPACE, PLUGIN_SPECS, PLUGIN_VERSION, PluginSpec
 
 log = logging.getLogger(__name__)
@@ -108,8 +107,9 @@ def _fields_from_node(spec: PluginSpec, node: onnx.NodeProto, present: set[str],
         pairs = {"has_markov": ("markov_w1", "markov_w2"), "has_confidence": ("confidence_weight", "confidence_bias")}
         for field, (a, b) in pairs.items():
             if (a in present) != (b in present):
-                raise BuildError(f"{graph}: node {node.name!r} ({DOMAIN}::{spec.name}) feeds {a if a in present else b} "
-                                 f"without {b if a in present else a}; the pair is both-or-neither")
+                given, lacking = (a, b) if a in present else (b, a)
+                raise BuildError(f"{graph}: node {node.name!r} ({DOMAIN}::{spec.name}) feeds {given} without "
+                                 f"{lacking}; the pair is both-or-neither")
             values[field] = int(a in present)
         if node.overload:
             parts = set(node.overload.split("_"))
@@ -211,7 +211,7 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
     del out.functions[:]
     out.functions.extend(keep)
     if check:
-        _check(result, {rule.name for spec in PLUGIN_SPECS.values() for rule in spec.outputs})
+        _check(result)
     return result
 
 
@@ -225,14 +225,15 @@ def _refuse_nested(graph: onnx.GraphProto, name: str, top: bool) -> None:
                 _refuse_nested(g, name, top=False)
 
 
-def _check(result: LoweredGraph, _rule_names: set[str]) -> None:
+def _check(result: LoweredGraph) -> None:
     """ONNX checker (full) and strict shape inference; inferred plugin outputs must equal the declared ones."""
     model = _without_external_data(result.model)
     try:
         onnx.checker.check_model(model, full_check=True)
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        raise BuildError(f"{result.name}: the lowered graph fails the ONNX checker or strict shape inference: {e}") from e
+        raise BuildError(f"{result.name}: the lowered graph fails the ONNX checker or strict shape inference: "
+                         f"{e}") from e
     found = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
     for entry in result.plugin_nodes:
         node = next(n for n in model.graph.node if n.name == entry["node"])
@@ -241,9 +242,9 @@ def _check(result: LoweredGraph, _rule_names: set[str]) -> None:
             vi = found.get(out_name)
             want_type = helper.np_dtype_to_tensor_dtype(rule.dtype)
             if vi is None or vi.type.tensor_type.elem_type != want_type:
+                found_type = None if vi is None else onnx.TensorProto.DataType.Name(vi.type.tensor_type.elem_type)
                 raise BuildError(f"{result.name}: plugin output {out_name!r} of {entry['node']!r}: expected "
-                                 f"{onnx.TensorProto.DataType.Name(want_type)}, shape inference found "
-                                 f"{None if vi is None else onnx.TensorProto.DataType.Name(vi.type.tensor_type.elem_type)}")
+                                 f"{onnx.TensorProto.DataType.Name(want_type)}, shape inference found {found_type}")
             shape = _shape_of(vi)
             want = tuple(entry["outputs"][rule.name])
             if shape is not None and len(shape) != len(want):
