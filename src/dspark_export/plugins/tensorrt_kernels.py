@@ -22,6 +22,7 @@ Dimension letters: R requests, γ draft slots, V vocab, H hidden size, r Markov 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import subprocess
 import tempfile
@@ -209,6 +210,13 @@ def compile_aot(op: str, fields: Mapping[str, int], static_dims: Mapping[str, in
         raise PluginError(f"no TensorRT kernel for op {op!r}; kernels exist for {sorted(_WRAPPERS)}")
     fields = PLUGIN_SPECS[op].check_fields(fields)
     constexprs = _constexprs(op, fields, dict(static_dims or {}))
+    # TensorRT asks once per profile and tactic; the kernel depends only on these constants
+    return _compile(op, tuple(constexprs.items()), capability)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(op: str, constexpr_items: tuple, capability: int) -> AotKernel:
+    constexprs = dict(constexpr_items)
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
