@@ -38,7 +38,7 @@ class Runtime:
 
     @classmethod
     def open(cls, engine_dir: str | Path, policy: str | Policy = "dspark", verify: bool = True,
-             threads: int = 0) -> "Runtime":
+             threads: int = 0, backend: str = "onnxruntime") -> "Runtime":
         """Load and check an engine directory, activate all its engines, load its tokenizer.
 
         Raises:
@@ -46,7 +46,7 @@ class Runtime:
             RequestError: unknown policy.
         """
         pol = policy if isinstance(policy, Policy) else parse_policy(policy)
-        engines = EngineSet.open(Path(engine_dir), verify=verify, threads=threads).activate_all()
+        engines = EngineSet.open(Path(engine_dir), verify=verify, threads=threads, backend=backend).activate_all()
         return cls(engines, _load_tokenizer(engines), pol)
 
     def set_policy(self, policy: str | Policy) -> None:
