@@ -158,7 +158,7 @@ def profile_vectors(rng: np.random.Generator, cases: int) -> dict:
 
 
 def _verify_once(case: dict) -> tuple[int, int]:
-    g, n = case["gamma"], case["verify_len"]
+    n = case["verify_len"]
     tl = np.asarray(case["target_logits"], np.float32)
     out = speculative_verify(
         tl, np.array([0, n + 1], np.int64), np.asarray([case["draft_ids"]], np.int64),

@@ -23,7 +23,8 @@ import onnx
 import onnxruntime as ort
 from onnx.external_data_helper import uses_external_data
 
-from ..errors import EngineDirError, RequestError
+from ..errors import EngineDirError
+from .runner import EngineRunner
 from .manifest import EngineKey
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def engine_spec(key: EngineKey, graph_rel: str) -> dict:
             "threads": thread_settings(key.graph), "providers": ["CPUExecutionProvider"]}
 
 
-class OrtRunner:
+class OrtRunner(EngineRunner):
     """Runs one engine. A context manager: `activate` creates the session, `deactivate` frees it.
 
     Args:
@@ -162,16 +163,6 @@ class OrtRunner:
     def deactivate(self) -> None:
         self.session = None
 
-    def __enter__(self):
-        return self.activate()
-
-    def __exit__(self, *exc):
-        self.deactivate()
-
-    def input_metadata(self) -> dict[str, tuple[type, int]]:
-        """{input name: (numpy dtype, rank)}."""
-        return dict(self._meta)
-
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the engine. Checks names, dtypes and ranks first; records `last_latency_ms`.
 
@@ -180,14 +171,7 @@ class OrtRunner:
         """
         if self.session is None:
             self.activate()
-        if set(feed) != set(self._meta):
-            raise RequestError(f"engine {self.key.path}: inputs expected {sorted(self._meta)}, "
-                               f"found {sorted(feed)}")
-        for name, (dtype, rank) in self._meta.items():
-            arr = feed[name]
-            if arr.dtype != dtype or arr.ndim != rank:
-                raise RequestError(f"engine {self.key.path}: input {name!r} expected {np.dtype(dtype)} of rank "
-                                   f"{rank}, found {arr.dtype} of shape {arr.shape}")
+        self.check_feed(feed)
         t0 = time.perf_counter()
         values = self.session.run(self._outputs, dict(feed))
         self.last_latency_ms = (time.perf_counter() - t0) * 1e3

@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import EngineDirError, RequestError
 from ..manifest import EngineKey
+from ..runner import EngineRunner
 from . import require_tensorrt
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class PlanStore:
         return self._engines[plan]
 
 
-class TrtEngineRunner:
+class TrtEngineRunner(EngineRunner):
     """Runs one (graph, bucket) engine: a context of the graph's plan bound to the bucket's profile.
 
     Args:
@@ -93,16 +94,6 @@ class TrtEngineRunner:
             self._runner.deactivate()
             self._runner = None
 
-    def __enter__(self):
-        return self.activate()
-
-    def __exit__(self, *exc):
-        self.deactivate()
-
-    def input_metadata(self) -> dict[str, tuple[type, int]]:
-        """{input name: (numpy dtype, rank)}."""
-        return dict(self._meta)
-
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the engine (same checks and errors as ``OrtRunner.infer``); records ``last_latency_ms``.
 
@@ -112,13 +103,7 @@ class TrtEngineRunner:
         """
         if self._runner is None:
             self.activate()
-        if set(feed) != set(self._meta):
-            raise RequestError(f"engine {self.key.path}: inputs expected {sorted(self._meta)}, found {sorted(feed)}")
-        for name, (dtype, rank) in self._meta.items():
-            arr = feed[name]
-            if arr.dtype != dtype or arr.ndim != rank:
-                raise RequestError(f"engine {self.key.path}: input {name!r} expected {np.dtype(dtype)} of rank "
-                                   f"{rank}, found {arr.dtype} of shape {arr.shape}")
+        self.check_feed(feed)
         t0 = time.perf_counter()
         try:
             out = self._runner.infer({k: np.ascontiguousarray(v) for k, v in feed.items()}, check_inputs=True)
