@@ -259,3 +259,12 @@ def test_dropping_tensorrt_entries_leaves_a_valid_directory(engine_dir, tmp_path
     assert "verify@tensorrt" not in report.summary["engines"] and not list((work / TRT_DIR).glob("*"))
     assert not (work / "graphs" / "verify.trt.onnx").exists()
     assert Manifest.load(work).data.get("backends", {}) == {}
+
+
+def test_engine_feeds_run_on_every_onnxruntime_engine(engine_dir):
+    """The feeds `trt compare` sends are valid inputs (dtypes, ranks) for every engine: ORT runs them all."""
+    engines = EngineSet.open(engine_dir, verify=False)
+    graphs = engines.manifest.data["graphs"]
+    for key in engines.manifest.engine_keys():
+        out = engines.runner_exact(key.graph, key.bucket).infer(engine_feed(graphs, key.graph, key.bucket, 16))
+        assert all(np.all(np.isfinite(v)) for v in out.values() if v.dtype == np.float32), key

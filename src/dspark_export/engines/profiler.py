@@ -87,7 +87,7 @@ def engine_feed(graphs: dict, graph: str, bucket: int, context_len: int, seed: i
     if graph == "drafter_block":
         feed = _block_feed(graphs["drafter_block"]["spec"], bucket, context_len, block)
         for name in feed:
-            if name.startswith("context_"):
+            if name.startswith(("context_key.", "context_value.")):   # not context_lens
                 feed[name] = rng.normal(0, 1, feed[name].shape).astype(np.float32)
         return feed
     if graph == "drafter_context":
