@@ -489,8 +489,7 @@ def test_sd14_stop_strings_through_the_text_api(rel_runtime):
     rt = rel_runtime
     [plain] = rt.generate_text(["ab"], SamplingParams(max_new_tokens=16))
     text = plain.text
-    if len(text) < 6:
-        pytest.skip("tiny model ended too early for a stop string")
+    assert len(text) >= 6, text       # the fixed tiny model and prompt give 16 printable characters
     stop = text[3:5]
     first = text.index(stop)
     for policy in ("ar", "fixed:4"):
