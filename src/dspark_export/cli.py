@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (per request: [seed, index])")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable); the text ends before it")
     g.add_argument("--policy", default="dspark",
                    help="ar | fixed:K | threshold:C | dspark | dspark-async (default dspark)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
@@ -210,7 +212,7 @@ def cmd_generate(args) -> int:
     from .runtime.request import GenerationResult, SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
     params.validate()
     parse_policy(args.policy)
     items = [(args.prompt, None)] if args.prompt is not None else _read_prompts(args.prompts_file)
@@ -229,7 +231,7 @@ def cmd_generate(args) -> int:
     for n, ((prompt, err), r) in enumerate(zip(items, results), 1):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": r.text, "token_ids": r.token_ids,
-                              "finish_reason": r.finish_reason, "error": r.error, "policy": str(rt.policy),
+                              "finish_reason": r.finish_reason, "stop_reason": r.stop_reason, "error": r.error, "policy": str(rt.policy),
                               "stats": r.stats.to_dict()}, ensure_ascii=False), flush=True)
         elif r.error:
             print(f"prompt {n}: error: {r.error}", file=sys.stderr)

@@ -35,3 +35,8 @@ class EngineDirError(DsparkExportError):
 
 class RequestError(DsparkExportError, ValueError):
     """A generation request is invalid (bad parameters, prompt too long for the engine's capacity)."""
+
+
+class EngineRunError(DsparkExportError):
+    """An engine call raised while generating. The runtime fails only the requests the call served
+    (after retrying each alone) and keeps serving the others."""

@@ -135,6 +135,20 @@ def load_target(path: str | os.PathLike[str]) -> TargetModel:
     return wrap_target(model.requires_grad_(False), tokenizer, source=str(path))
 
 
+def _unreadable_safetensors(path: Path) -> tuple[str, str] | None:
+    """(file name, reason) of the first *.safetensors file in `path` whose header or size is broken."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    st.get_slice(name)
+        except Exception as e:  # SafetensorError, OSError: the file is truncated or not safetensors
+            return f.name, f"{type(e).__name__}: {e}"
+    return None
+
+
 def _load_folder(path: Path) -> TargetModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -143,7 +157,10 @@ def _load_folder(path: Path) -> TargetModel:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False, output_loading_info=True)
     except _LOAD_ERRORS as e:
-        raise CheckpointError(f"target {path}: could not load the weights ({type(e).__name__}: {e})") from e
+        bad = _unreadable_safetensors(path)
+        where = f"{bad[0]}: unreadable safetensors file ({bad[1]})" if bad else \
+            f"could not load the weights ({type(e).__name__}: {e})"
+        raise CheckpointError(f"target {path}: {where}") from e
     _check_loading_info(path, info)
     tokenizer = None
     if any((path / name).is_file() for name in _TOKENIZER_FILES):

@@ -34,7 +34,7 @@ class Runtime:
 
     def __init__(self, engines: EngineSet, tokenizer, policy: Policy):
         self.engines, self.tokenizer, self.policy = engines, tokenizer, policy
-        self.generator = Generator(engines, policy)
+        self.generator = Generator(engines, policy, detokenize=self.decode)
 
     @classmethod
     def open(cls, engine_dir: str | Path, policy: str | Policy = "dspark", verify: bool = True,
@@ -55,7 +55,18 @@ class Runtime:
 
     def set_policy(self, policy: str | Policy) -> None:
         self.policy = policy if isinstance(policy, Policy) else parse_policy(policy)
-        self.generator = Generator(self.engines, self.policy)
+        self.generator = Generator(self.engines, self.policy, detokenize=self.decode)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of generated ids (special tokens skipped); stop strings are matched on this text."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def text_of(self, result: GenerationResult) -> str:
+        """The result's text, ending before its stop string when one ended it (as vLLM / OpenAI)."""
+        text = self.decode(result.token_ids) if result.token_ids else ""
+        if isinstance(result.stop_reason, str) and result.stop_reason in text:
+            text = text[:text.index(result.stop_reason)]
+        return text
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         """Token ids of `prompt`; with `chat`, the tokenizer's chat template, one user turn, with the
@@ -89,7 +100,7 @@ class Runtime:
         for i, r in enumerate(results):
             if i in errors:
                 r.finish_reason, r.error, r.token_ids = "error", errors[i], []
-            r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True) if r.token_ids else ""
+            r.text = self.text_of(r)
         return results
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..engines.engine_set import EngineSet
 from ..engines.packing import Segment, pack_segments
-from ..errors import EngineDirError, RequestError
+from ..errors import EngineDirError, EngineRunError, RequestError
 from .kv_cache import KVCache
 from .policies import Policy
 from .request import GenerationResult, SamplingParams
@@ -97,14 +97,22 @@ class Generator:
         engines (EngineSet): the loaded engines.
         policy (Policy): verification-length policy.
         max_slots (int): requests decoded at once; defaults to the largest drafter bucket.
+        detokenize (Callable[[list[int]], str]): token ids → text, for stop strings (`Runtime` passes
+            its tokenizer's decode). Requests with stop strings are refused without it.
+        drafter (Callable): replaces the DSpark drafter block: drafter(generator, active states) →
+            {"draft_ids" [S, γ] int64, "draft_logits" [S, γ] × V float32, "confidence" [S, γ] float32}
+            (e.g. `runtime.self_draft.TargetDrafter`, the target drafting for itself).
 
     Thread safety: `submit` and `cancel` may be called from any thread; `step`/`generate` from one
     thread at a time.
     """
 
-    def __init__(self, engines: EngineSet, policy: Policy, max_slots: int | None = None):
+    def __init__(self, engines: EngineSet, policy: Policy, max_slots: int | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, drafter: Callable | None = None):
         rt = engines.manifest.runtime
         self.engines, self.policy = engines, policy
+        self.detokenize, self.drafter = detokenize, drafter
+        self._last_key: dict[str, str] = {}   # graph -> path of the engine last called (for messages)
         self.block_size = int(rt["block_size"])
         if policy.name == "fixed" and policy.k > self.block_size:
             raise RequestError(f"policy {policy}: K={policy.k} exceeds this engine directory's block size "
@@ -122,6 +130,7 @@ class Generator:
         self.drafts_skipped = 0  # steps whose drafter block was skipped (dspark-async), for benchmarks
         self._lock = threading.Lock()
         self._waiting: deque[_State] = deque()
+        self._cancel_marked: list[_State] = []
         self._slots: list[_State | None] = []
         self._requests: dict[int, _State] = {}
         self._next_id = 0
@@ -148,11 +157,18 @@ class Generator:
         with self._lock:
             index, self._next_id = self._next_id, self._next_id + 1
         result = GenerationResult()
-        result.stats.prompt_tokens = len(prompt)
         seed = params.seed if isinstance(params.seed, int) and params.seed >= 0 else None
-        state = _State(index, np.asarray(list(prompt), np.int64), params,
+        try:
+            prompt = list(prompt) if not isinstance(prompt, (str, bytes)) else prompt
+            prompt_ids = np.asarray(prompt, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            prompt_ids = np.zeros(0, np.int64)
+        result.stats.prompt_tokens = len(prompt_ids)
+        stop_ids = frozenset(int(t) for t in params.stop_token_ids
+                             if isinstance(t, (int, np.integer))) if isinstance(params.stop_token_ids, tuple) else ()
+        state = _State(index, prompt_ids, params,
                        np.random.default_rng([seed if seed is not None else np.random.SeedSequence().entropy, index]),
-                       self.eos_ids | frozenset(params.stop_token_ids), result, on_token)
+                       self.eos_ids | frozenset(stop_ids), result, on_token)
         self._requests[index] = state
         try:
             self._check_request(prompt, params)
@@ -170,11 +186,27 @@ class Generator:
         state = self._requests.get(request_id)
         if state is None or state.done:
             return False
-        state.cancelled = True
+        with self._lock:
+            state.cancelled = True
+            self._cancel_marked.append(state)
         return True
 
     def result(self, request_id: int) -> GenerationResult:
         return self._requests[request_id].result
+
+    def release(self, request_id: int) -> GenerationResult:
+        """Forget a finished request and return its result (a long-running server calls this once it
+        has read a result, so finished requests do not accumulate).
+
+        Raises:
+            RequestError: the request is unknown or still running.
+        """
+        state = self._requests.get(request_id)
+        if state is None or not state.done:
+            raise RequestError(f"request {request_id}: expected a finished request, found "
+                               f"{'none' if state is None else 'one still running'}")
+        del self._requests[request_id]
+        return state.result
 
     def has_work(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self._slots)
@@ -217,6 +249,12 @@ class Generator:
     # -- admission and slots -----------------------------------------------------------------
     def _check_request(self, ids, p: SamplingParams) -> None:
         p.validate()
+        if p.stop and self.detokenize is None:
+            raise RequestError("stop: stop strings need a tokenizer; use Runtime, or Generator(detokenize=...)")
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, list) or \
+                not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise RequestError(f"prompt: expected a list of token ids (integers), found {str(ids)[:60]!r}"
+                               f"{' (encode text with Runtime.encode first)' if isinstance(ids, str) else ''}")
         if len(ids) == 0:
             raise RequestError("prompt: expected at least one token, found an empty prompt")
         if any((not 0 <= int(t) < self.vocab_size) for t in ids):
@@ -249,12 +287,18 @@ class Generator:
         self._history = []  # rows of lagged confidences no longer line up with requests
 
     def _drop_cancelled(self) -> None:
-        for s in [s for s in self._slots if s is not None and s.cancelled and not s.done] + \
-                 [s for s in list(self._waiting) if s.cancelled]:
-            s.result.finish_reason = "cancelled"
-            self._finish(s)
+        """Finish the requests `cancel` marked (O(cancelled), not O(queue): the queue may be long)."""
         with self._lock:
-            self._waiting = deque(s for s in self._waiting if not s.done)
+            marked, self._cancel_marked = self._cancel_marked, []
+        dropped = False
+        for s in marked:
+            if not s.done:
+                dropped |= s.slot < 0
+                s.result.finish_reason = "cancelled"
+                self._finish(s)
+        if dropped:
+            with self._lock:
+                self._waiting = deque(s for s in self._waiting if not s.done)
 
     def _release_finished(self) -> None:
         for i, s in enumerate(self._slots):
@@ -275,15 +319,59 @@ class Generator:
 
     # -- one step ----------------------------------------------------------------------------
     def _step(self, active: list[_State]) -> None:
-        """Draft → schedule → one packed target pass (verification rows + prefill chunks) → verify → commit."""
+        """Advance `active` by one step, isolating engine faults.
+
+        Fault policy (docs/ARCHITECTURE.md, "Faults"): a step computes everything (every engine call)
+        before it commits anything, so a failed step leaves caches and requests as they were. If an
+        engine call raises, the step is undone (the requests' random streams included) and each of
+        its requests is retried once in a step of its own; a request whose own step raises again
+        finishes with finish_reason "error" and the engine's message, the others go on. Non-finite
+        engine outputs (NaN/Inf logits, features, K/V, draft logits or confidences) and out-of-range
+        token ids fail only the requests whose rows hold them.
+        """
+        try:
+            rnd = self._attempt(active)
+        except EngineRunError as e:
+            if len(active) == 1:
+                self._fail(active[0], str(e))
+                return
+            log.warning("%s; retrying the step's %d requests one at a time", e, len(active))
+            for s in active:
+                try:
+                    rnd = self._attempt([s])
+                except EngineRunError as e1:
+                    self._fail(s, str(e1))
+                else:
+                    self._apply(rnd)
+            return
+        self._apply(rnd)
+
+    def _attempt(self, active: list[_State]) -> "_Round":
+        """`_compute`, restoring the requests' random streams and the confidence history if it raises."""
+        streams = [(s, s.rng.bit_generator.state) for s in active]
+        try:
+            return self._compute(active)
+        except EngineRunError:
+            for s, state in streams:
+                s.rng.bit_generator.state = state
+            raise
+
+    def _compute(self, active: list[_State]) -> "_Round":
+        """Draft → schedule → one packed target pass (verification rows + prefill chunks) → verify →
+        drafter context of the committed rows. Runs every engine call of the step and changes no
+        request or cache (only the requests' random streams advance)."""
         decoding = [s for s in active if s.decoding]
+        failed: dict[int, str] = {}
         drafts = self._draft(decoding) if self.policy.drafts and decoding and not self._skip_drafting(decoding) \
             else None
-        verify_lens = self._schedule(decoding, drafts)
+        if drafts is not None:
+            failed.update(self._check_drafts(drafts, decoding))
+            decoding = [s for s in decoding if s.slot not in failed]
+        verify_lens, conf = self._schedule(decoding, drafts)
         segments = [Segment(s.slot, np.concatenate([[s.anchor], drafts["draft_ids"][s.slot, :verify_lens[s.slot]]])
                             if drafts else np.array([s.anchor]), s.start) for s in decoding]
         budget = self.max_tokens - sum(len(seg.token_ids) for seg in segments)
-        finishing = []
+        finishing, prefill = [], {}
         for s in [s for s in active if not s.decoding]:
             n = min(budget, len(s.prompt) - s.prefilled)
             if n <= 0:
@@ -291,26 +379,27 @@ class Generator:
             last = s.prefilled + n == len(s.prompt)
             segments.append(Segment(s.slot, s.prompt[s.prefilled:s.prefilled + n], s.prefilled,
                                     "last" if last else "none"))
-            s.prefilled, budget = s.prefilled + n, budget - n
+            prefill[s.slot], budget = s.prefilled + n, budget - n
             finishing += [s] if last else []
+        rnd = _Round(active, decoding, finishing, prefill, verify_lens, drafts, conf, failed)
+        if not segments:
+            return rnd
         packed, out = self._target_pass(segments)
+        failed.update(self._check_target(packed, out, segments))
+        decoding = rnd.decoding = [s for s in decoding if s.slot not in failed]
+        finishing = rnd.finishing = [s for s in finishing if s.slot not in failed]
         rows = {s.slot: out["logits"][packed.logit_start[s.slot]:packed.logit_start[s.slot] + verify_lens[s.slot] + 1]
                 for s in decoding}
         rows.update({s.slot: out["logits"][packed.logit_start[s.slot]][None] for s in finishing})
         verify_lens.update({s.slot: 0 for s in finishing})
-        num_accepted, next_ids = self._verify(decoding + finishing, rows, drafts, verify_lens)
-        keep = {seg.slot: len(seg.token_ids) for seg in segments}          # prefill chunks: every row
-        keep.update({s.slot: int(num_accepted[s.slot]) + 1 for s in decoding})  # anchor + accepted drafts
-        self._commit(packed, out, keep)
-        for s in decoding:
-            a = int(num_accepted[s.slot])
-            s.result.stats.draft_tokens += verify_lens[s.slot]
-            s.result.stats.accepted_tokens += a
-            s.result.stats.observe_round(verify_lens[s.slot], a)
-            committed = [int(t) for t in drafts["draft_ids"][s.slot, :a]] if drafts else []
-            self._emit(s, committed + [int(next_ids[s.slot])], rounds=1)
-        for s in finishing:
-            self._emit(s, [int(next_ids[s.slot])], rounds=0)
+        if decoding or finishing:
+            rnd.num_accepted, rnd.next_ids = self._verify(decoding + finishing, rows, drafts, verify_lens, failed)
+            failed.update(self._check_verify(rnd, decoding + finishing))
+        keep = {seg.slot: len(seg.token_ids) for seg in segments if seg.slot not in failed}  # prefill: every row
+        keep.update({s.slot: int(rnd.num_accepted[s.slot]) + 1 for s in decoding if s.slot not in failed})
+        if keep:
+            rnd.commit = self._commit_rows(packed, out, keep, failed)
+        return rnd
 
     def _skip_drafting(self, decoding: list[_State]) -> bool:
         """dspark-async with a known drafter cost: skip the drafter block when the capacity K* from earlier
@@ -320,7 +409,9 @@ class Generator:
         the next steps draft again (Algorithm 1 on fresh confidences, then K* from them). The interval
         doubles after each probe that ends in another skip (4, 8, ..., 64 steps) and drops back to 4 when
         drafting pays again. The drafter context keeps growing with every committed token either way
-        (`_commit`), so a skipped block never leaves the drafter state stale (failure case SD-20).
+        (`_commit_rows` / `_apply`), so a skipped block never leaves the drafter state stale (failure case
+        SD-20). This is scheduling bookkeeping, not request state: a step retried after an engine error may
+        count a skip twice, which only moves the next probe earlier.
         """
         if self.policy.name != "dspark-async" or self.profile is None or not self.profile.has_draft_cost \
                 or len(self._history) < 2:
@@ -336,31 +427,116 @@ class Generator:
         self.drafts_skipped += 1
         return True
 
-    def _schedule(self, decoding: list[_State], drafts) -> dict[int, int]:
-        """Verify lengths ℓ per decoding slot, capped so a round never passes max_new_tokens or capacity."""
+    def _apply(self, rnd: "_Round") -> None:
+        """Commit a computed step: caches, prefill progress, tokens, failures."""
+        for s in rnd.active:
+            if s.slot in rnd.prefill and s.slot not in rnd.failed:
+                s.prefilled = rnd.prefill[s.slot]
+        if rnd.conf is not None:
+            self._history = (self._history + [rnd.conf])[-2:]
+        if rnd.commit is not None:
+            c = rnd.commit
+            self.target_kv.append(c.slots, c.target_keys, c.target_values)
+            if c.context_keys is not None:
+                self.draft_kv.append(c.slots, c.context_keys, c.context_values)
+        drafts = rnd.drafts
+        for s in rnd.decoding:
+            if s.slot in rnd.failed:
+                continue
+            a, n = int(rnd.num_accepted[s.slot]), rnd.verify_lens[s.slot]
+            s.result.stats.draft_tokens += n
+            s.result.stats.accepted_tokens += a
+            s.result.stats.observe_round(n, a)
+            committed = [int(t) for t in drafts["draft_ids"][s.slot, :a]] if drafts else []
+            self._emit(s, committed + [int(rnd.next_ids[s.slot])], rounds=1)
+        for s in rnd.finishing:
+            if s.slot not in rnd.failed:
+                self._emit(s, [int(rnd.next_ids[s.slot])], rounds=0)
+        for s in rnd.active:
+            if s.slot in rnd.failed and not s.done:
+                self._fail(s, rnd.failed[s.slot])
+
+    def _fail(self, s: _State, reason: str) -> None:
+        log.warning("request %d failed: %s", s.index, reason)
+        s.result.finish_reason, s.result.error = "error", reason
+        self._finish(s)
+
+    # -- output checks (fault isolation) -------------------------------------------------------
+    def _check_drafts(self, drafts: dict, decoding: list[_State]) -> dict[int, str]:
+        """Slots whose drafter outputs are non-finite or out of range → reason."""
+        slots = np.array([s.slot for s in decoding], np.int64)
+        ok = np.isfinite(drafts["draft_logits"][slots].sum(axis=(1, 2)))
+        conf = drafts["confidence"][slots]
+        ok &= np.isfinite(conf).all(axis=1) & (conf >= 0).all(axis=1) & (conf <= 1).all(axis=1)
+        ids = drafts["draft_ids"][slots]
+        ok &= ((ids >= 0) & (ids < self.vocab_size)).all(axis=1)
+        key = self._last_key.get("drafter_block", "drafter_block")
+        return {int(slot): f"engine {key} returned non-finite or out-of-range drafts (draft_logits, confidence "
+                           f"or draft_ids) for this request" for slot in slots[~ok]}
+
+    def _check_target(self, packed, out: dict, segments: list[Segment]) -> dict[int, str]:
+        """Slots whose target rows (logits, aux_hidden, new K/V) hold NaN/Inf → reason. A row is
+        finite iff its sum is (a NaN or ±Inf term makes the sum non-finite)."""
+        n = out["aux_hidden"].shape[0]
+        row_ok = np.isfinite(out["aux_hidden"].sum(axis=1))
+        for layer in range(self.target_kv.num_layers):
+            for name in (f"new_key.{layer}", f"new_value.{layer}"):
+                row_ok &= np.isfinite(out[name].reshape(n, -1).sum(axis=1))
+        logit_ok = np.isfinite(out["logits"].sum(axis=1))
+        failed = {}
+        for seg in segments:
+            a, q = packed.row_start[seg.slot], len(seg.token_ids)
+            m = q if seg.logits == "all" else int(seg.logits == "last")
+            la = packed.logit_start.get(seg.slot, 0)
+            if not (row_ok[a:a + q].all() and logit_ok[la:la + m].all()):
+                failed[seg.slot] = (f"engine {self._last_key.get('target', 'target')} returned non-finite "
+                                    f"outputs (logits, aux_hidden or K/V) for this request's rows at positions "
+                                    f"{seg.start_position}..{seg.start_position + q - 1}")
+        return failed
+
+    def _check_verify(self, rnd: "_Round", states: list[_State]) -> dict[int, str]:
+        failed = {}
+        for s in states:
+            a, t = int(rnd.num_accepted[s.slot]), int(rnd.next_ids[s.slot])
+            if not (0 <= a <= rnd.verify_lens[s.slot] and 0 <= t < self.vocab_size):
+                failed[s.slot] = (f"engine {self._last_key.get('verify', 'verify')} returned out-of-range values "
+                                  f"for this request (num_accepted {a} of {rnd.verify_lens[s.slot]} drafts, "
+                                  f"next id {t}, vocab {self.vocab_size})")
+        return failed
+
+    def _schedule(self, decoding: list[_State], drafts) -> tuple[dict[int, int], np.ndarray | None]:
+        """Verify lengths ℓ per decoding slot, capped so a round never passes max_new_tokens or capacity,
+        and the confidences [R, γ] the policy saw (None without drafts)."""
         if not decoding:
-            return {}
+            return {}, None
         slots = np.array([s.slot for s in decoding], np.int64)
         caps = np.array([max(0, min(self.block_size,
                                     self.max_context - s.start - 1,                     # cache rows after the anchor
                                     s.params.max_new_tokens - len(s.result.token_ids) - 1))  # drafts past max are waste
                          for s in decoding], np.int64)
         if drafts is None:
-            return {int(slot): 0 for slot in slots}
+            return {int(slot): 0 for slot in slots}, None
         conf = drafts["confidence"][slots]
         lag = self._history[0] if len(self._history) == 2 else None
         lens = self.policy.verify_lengths(conf, self.block_size, self.profile, lag, caps)
-        self._history = (self._history + [conf])[-2:]
-        return {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}
+        return {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}, conf
 
     def _emit(self, s: _State, tokens: list[int], rounds: int) -> None:
-        """Append committed tokens, applying stop ids, max_new_tokens and capacity in order."""
+        """Append committed tokens in order, applying to each: stop ids, then stop strings, then
+        max_new_tokens, then capacity; the first that triggers ends the request and drops the rest
+        of the block (failure_cases.md note 4). The caches are not trimmed: a finished request's
+        slot is released."""
         kept = []
         for t in tokens:
             kept.append(t)
             if t in s.stop_ids:
-                s.done, s.result.finish_reason = True, "stop"
+                s.done, s.result.finish_reason, s.result.stop_reason = True, "stop", t
                 break
+            if s.params.stop:
+                hit = self._stop_string(s.result.token_ids + kept, s.params.stop)
+                if hit is not None:
+                    s.done, s.result.finish_reason, s.result.stop_reason = True, "stop", hit
+                    break
             if len(s.result.token_ids) + len(kept) >= s.params.max_new_tokens:
                 s.done, s.result.finish_reason = True, "length"
                 break
@@ -377,7 +553,25 @@ class Generator:
         elif s.on_token:
             s.on_token(s.index, kept, s.result)
 
+    def _stop_string(self, token_ids: list[int], stops: tuple[str, ...]) -> str | None:
+        """The stop string that occurs first in the decoded output, or None. The whole output is
+        decoded each time (not a tail window of tokens), so a string completed anywhere in an
+        accepted block is found at the token that completes it, and a multi-byte character split
+        over tokens matches only once all its bytes are committed."""
+        text = self.detokenize(token_ids)
+        found = [(text.find(stop), stop) for stop in stops]
+        found = [f for f in found if f[0] >= 0]
+        return min(found)[1] if found else None
+
     # -- engine calls ------------------------------------------------------------------------
+    def _infer(self, runner, feed: dict) -> dict[str, np.ndarray]:
+        """runner.infer, turning any failure into EngineRunError naming the engine."""
+        self._last_key[runner.key.graph] = runner.key.path
+        try:
+            return runner.infer(feed)
+        except Exception as e:  # ORT raises its own Fail/RuntimeException/... types
+            raise EngineRunError(f"engine {runner.key.path} failed ({type(e).__name__}: {e})") from e
+
     def _target_pass(self, segments: list[Segment]):
         total = sum(len(seg.token_ids) for seg in segments)
         runner = self.engines.runner("target", total)
@@ -385,22 +579,37 @@ class Generator:
         for seg in segments:
             self.target_kv.reserve(int(self.target_kv.lens[seg.slot]) + len(seg.token_ids))
         feed = {**packed.feed, **self.target_kv.feed("past_key", "past_value")}
-        return packed, runner.infer(feed)
+        return packed, self._infer(runner, feed)
 
-    def _commit(self, packed, out: dict, keep: dict[int, int]) -> None:
-        """Write the first keep[slot] rows of each slot's segment into the target KV and the
-        drafter context (features of committed rows only; DeepSpec spec §5.2 pitfall 2)."""
-        slots = np.concatenate([np.full(n, slot, np.int64) for slot, n in sorted(keep.items())])
-        rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in sorted(keep.items())])
-        positions = self.target_kv.lens[slots] + np.concatenate([np.arange(n) for _, n in sorted(keep.items())])
+    def _commit_rows(self, packed, out: dict, keep: dict[int, int], failed: dict[int, str]) -> "_Commit":
+        """The first keep[slot] rows of each slot's segment, for the target KV and the drafter context
+        (features of committed rows only; DeepSpec spec §5.2 pitfall 2). Runs the drafter context
+        engine; slots whose context rows come back non-finite are added to `failed` and dropped."""
+        order = sorted(keep.items())
+        slots = np.concatenate([np.full(n, slot, np.int64) for slot, n in order])
+        rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in order])
+        positions = self.target_kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
         L = self.target_kv.num_layers
-        self.target_kv.append(slots, [out[f"new_key.{i}"] for i in range(L)],
-                              [out[f"new_value.{i}"] for i in range(L)], rows)
+        c = _Commit(slots, [out[f"new_key.{i}"][rows] for i in range(L)], [out[f"new_value.{i}"][rows] for i in range(L)])
         if self.policy.drafts:
-            self._extend_context(out["aux_hidden"][rows], positions, slots)
+            c.context_keys, c.context_values = self._context_rows(out["aux_hidden"][rows], positions)
+            n = len(slots)
+            ok = np.ones(n, bool)
+            for x in c.context_keys + c.context_values:
+                ok &= np.isfinite(x.reshape(n, -1).sum(axis=1))
+            for slot in np.unique(slots[~ok]):
+                failed[int(slot)] = (f"engine {self._last_key.get('drafter_context', 'drafter_context')} returned "
+                                     "non-finite drafter context rows for this request")
+        bad = np.isin(slots, np.array(sorted(failed), np.int64))
+        if bad.any():
+            c.keep_rows(~bad)
+        return c
 
-    def _extend_context(self, aux: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+    def _context_rows(self, aux: np.ndarray, positions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Drafter context K/V [n, kvH, D] per drafter layer for committed rows aux [n, F] at `positions`."""
         step = self.engines.buckets("drafter_context")[-1]
+        L = self.draft_kv.num_layers
+        keys, values = [[] for _ in range(L)], [[] for _ in range(L)]
         for a in range(0, len(aux), step):
             n = min(step, len(aux) - a)
             runner = self.engines.runner("drafter_context", n)
@@ -409,10 +618,11 @@ class Generator:
             feed_aux[:n] = aux[a:a + n]
             feed_pos = np.zeros(b, np.int64)
             feed_pos[:n] = positions[a:a + n]
-            out = runner.infer({"aux_hidden": feed_aux, "position_ids": feed_pos})
-            L = self.draft_kv.num_layers
-            self.draft_kv.append(slots[a:a + n], [out[f"context_key.{i}"] for i in range(L)],
-                                 [out[f"context_value.{i}"] for i in range(L)], np.arange(n))
+            out = self._infer(runner, {"aux_hidden": feed_aux, "position_ids": feed_pos})
+            for i in range(L):
+                keys[i].append(out[f"context_key.{i}"][:n])
+                values[i].append(out[f"context_value.{i}"][:n])
+        return [np.concatenate(k) for k in keys], [np.concatenate(v) for v in values]
 
     def _sampling_feed(self, states: list[_State]) -> dict[str, np.ndarray]:
         temp = np.zeros(self.num_slots, np.float32)
@@ -423,6 +633,10 @@ class Generator:
         return {"temperature": temp, "top_k": top_k, "top_p": top_p}
 
     def _draft(self, active: list[_State]) -> dict[str, np.ndarray]:
+        """Drafts for every slot: {"draft_ids" [S, γ] int64, "draft_logits" [S, γ, V] float32,
+        "confidence" [S, γ] float32}; rows of slots not in `active` are ignored."""
+        if self.drafter is not None:
+            return self.drafter(self, active)
         anchors = np.zeros(self.num_slots, np.int64)
         starts = np.zeros(self.num_slots, np.int64)
         uniforms = np.zeros((self.num_slots, self.block_size), np.float32)
@@ -432,25 +646,67 @@ class Generator:
         feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": self.draft_kv.lens.copy(),
                 **self.draft_kv.feed("context_key", "context_value"), **self._sampling_feed(active),
                 "uniforms": uniforms, "confidence_temperature": self.sts}
-        return self.engines.runner("drafter_block", self.num_slots).infer(feed)
+        return self._infer(self.engines.runner("drafter_block", self.num_slots), feed)
 
-    def _verify(self, states: list[_State], rows: dict[int, np.ndarray], drafts, verify_lens: dict[int, int]):
+    def _verify(self, states: list[_State], rows: dict[int, np.ndarray], drafts, verify_lens: dict[int, int],
+                failed: dict[int, str]):
         """SpeculativeVerify over all slots (slots without rows get one inert zero row)."""
         V, g = self.vocab_size, self.block_size
         blocks = [rows.get(slot, np.zeros((1, V), np.float32)) for slot in range(self.num_slots)]
-        lens = np.array([verify_lens.get(slot, 0) for slot in range(self.num_slots)], np.int64)
+        lens = np.array([verify_lens.get(slot, 0) if slot in rows else 0 for slot in range(self.num_slots)], np.int64)
         uniforms = np.zeros((self.num_slots, g + 1), np.float32)
         for s in states:
             uniforms[s.slot] = s.rng.random(g + 1, dtype=np.float32)
+        draft_logits = drafts["draft_logits"] if drafts else self._zero_draft_logits()
+        if drafts and failed:   # a failed slot's (maybe NaN) drafts must not reach the op at all
+            draft_logits = draft_logits.copy()
+            draft_logits[sorted(failed)] = 0.0
         feed = {"target_logits": np.concatenate(blocks).astype(np.float32, copy=False),
                 "query_start": np.concatenate([[0], np.cumsum(lens + 1)]).astype(np.int64),
-                "draft_ids": drafts["draft_ids"] if drafts else np.zeros((self.num_slots, g), np.int64),
-                "draft_logits": drafts["draft_logits"] if drafts else self._zero_draft_logits(),
+                "draft_ids": np.clip(drafts["draft_ids"], 0, V - 1) if drafts else np.zeros((self.num_slots, g), np.int64),
+                "draft_logits": draft_logits,
                 "verify_lens": lens, **self._sampling_feed(states), "uniforms": uniforms}
-        out = self.engines.runner("verify", self.num_slots).infer(feed)
+        out = self._infer(self.engines.runner("verify", self.num_slots), feed)
         return out["num_accepted"], out["next_ids"]
 
     def _zero_draft_logits(self) -> np.ndarray:
         if getattr(self, "_zeros", None) is None or self._zeros.shape[0] != self.num_slots:
             self._zeros = np.zeros((self.num_slots, self.block_size, self.vocab_size), np.float32)
         return self._zeros
+
+
+@dataclass
+class _Commit:
+    """Rows one step commits: slot of each row [n] int64 (a slot's rows in position order), and per
+    layer the target's new K/V [n, kvH, D] and the drafter context K/V (None when nothing drafts)."""
+
+    slots: np.ndarray
+    target_keys: list[np.ndarray]
+    target_values: list[np.ndarray]
+    context_keys: list[np.ndarray] | None = None
+    context_values: list[np.ndarray] | None = None
+
+    def keep_rows(self, mask: np.ndarray) -> None:
+        self.slots = self.slots[mask]
+        self.target_keys = [x[mask] for x in self.target_keys]
+        self.target_values = [x[mask] for x in self.target_values]
+        if self.context_keys is not None:
+            self.context_keys = [x[mask] for x in self.context_keys]
+            self.context_values = [x[mask] for x in self.context_values]
+
+
+@dataclass
+class _Round:
+    """One step's computed outcome, before it is committed (`Generator._apply`)."""
+
+    active: list[_State]
+    decoding: list[_State]
+    finishing: list[_State]            # requests whose prefill ends this step (first token)
+    prefill: dict[int, int]            # slot -> prompt tokens prefilled after this step
+    verify_lens: dict[int, int]
+    drafts: dict | None
+    conf: np.ndarray | None            # confidences the policy saw (dspark-async history)
+    failed: dict[int, str]             # slot -> reason
+    num_accepted: np.ndarray | None = None
+    next_ids: np.ndarray | None = None
+    commit: _Commit | None = None

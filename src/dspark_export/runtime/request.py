@@ -25,6 +25,10 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 1 = off.
         seed: seeds this request's uniforms (np.random.default_rng([seed, index])); None = random.
         stop_token_ids: extra stop ids on top of the engine's EOS ids.
+        stop: stop strings. The request ends at the first committed token whose decoded output
+            contains one (checked token by token, also inside an accepted block); `token_ids` keep
+            that token, `text` ends before the stop string (as vLLM / the OpenAI API). Needs a
+            tokenizer (`Runtime`, or `Generator(detokenize=...)`).
     """
 
     max_new_tokens: int = 128
@@ -33,20 +37,27 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raises RequestError naming the bad field, expected vs found."""
         if not isinstance(self.max_new_tokens, (int, np.integer)) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise RequestError(f"max_new_tokens: expected an integer in [1, {MAX_NEW_TOKENS_LIMIT}], "
                                f"found {self.max_new_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float, np.number)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature: expected a finite value >= 0, found {self.temperature!r}")
         if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise RequestError(f"top_k: expected an integer >= 0 (0 = off), found {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
             raise RequestError(f"seed: expected an integer >= 0 or None, found {self.seed!r}")
-        if not (0 < self.top_p <= 1):
+        if not isinstance(self.top_p, (int, float, np.floating)) or not (0 < self.top_p <= 1):
             raise RequestError(f"top_p: expected a value in (0, 1], found {self.top_p!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or \
+                not all(isinstance(t, (int, np.integer)) and t >= 0 for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids: expected a tuple of token ids >= 0, found {self.stop_token_ids!r}")
+        if isinstance(self.stop, (str, bytes)) or not all(isinstance(t, str) and t for t in self.stop):
+            raise RequestError(f"stop: expected a tuple of non-empty strings, found {self.stop!r}")
 
 
 @dataclass
@@ -100,5 +111,6 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None   # None while running; "stop" | "length" | "capacity" | "error" | "cancelled"
     error: str | None = None
+    stop_reason: int | str | None = None  # the stop id or stop string that ended the request ("stop")
     stats: RequestStats = field(default_factory=RequestStats)
     text: str | None = None
