@@ -294,6 +294,11 @@ def manifest_vectors(root: Path) -> list[dict]:
     cases.append(write("block_size_mismatch", edit(lambda m: m["runtime"].update(block_size=5))))
     cases.append(write("sts_length_mismatch", edit(lambda m: m["runtime"].update(confidence_temperature=[1.0]))))
     cases.append(write("engines_not_list", edit(lambda m: m.update(engines={}))))
+    cases.append(write("engines_empty", edit(lambda m: m.update(engines=[]))))
+    cases.append(write("runtime_max_context_negative", edit(lambda m: m["runtime"].update(max_context=-1))))
+    cases.append(write("runtime_vocab_size_zero", edit(lambda m: m["runtime"].update(vocab_size=0))))
+    cases.append(write("vocab_size_mismatch", edit(lambda m: m["graphs"]["target"]["spec"].update(vocab_size=100))))
+    cases.append(write("vocab_size_match", edit(lambda m: m["graphs"]["target"]["spec"].update(vocab_size=256))))
     cases.append(write("engine_path_mismatch", edit(lambda m: m["engines"][0].update(path="engines/x.json"))))
     cases.append(write("engine_key_malformed", edit(lambda m: m["engines"][0].update(key={"graph": "target"}))))
 

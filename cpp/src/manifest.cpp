@@ -97,7 +97,8 @@ Status Manifest::Load(const std::string& engine_dir, const ManifestOptions& opti
   auto fail = [&](const std::string& msg) { return Status(StatusCode::kEngineDir, where + ": " + msg); };
   if (!fs::is_directory(engine_dir)) {
     return Status(StatusCode::kEngineDir, engine_dir + ": expected an engine directory (built by `dspark-export "
-                                                       "build`), found no such directory");
+                                                       "build`), found " +
+                                              (fs::exists(engine_dir) ? "a file" : "no such directory"));
   }
   if (!fs::is_regular_file(path)) {
     return fail("missing; " + engine_dir + " is not a complete engine directory (an interrupted build leaves no manifest)");
@@ -137,6 +138,20 @@ Status Manifest::Load(const std::string& engine_dir, const ManifestOptions& opti
   for (const char* k : {"eos_token_ids", "confidence_temperature"}) {
     if (!rt.contains(k) || !rt[k].is_array()) {
       return fail(std::string("runtime.") + k + ": expected a JSON list, found " + (rt.contains(k) ? rt[k].dump() : "None"));
+    }
+  }
+  for (const char* k : {"block_size", "max_context", "vocab_size"}) {
+    if (rt[k].get<int64_t>() < 1) {
+      return fail(std::string("runtime.") + k + ": expected an integer >= 1, found " + rt[k].dump());
+    }
+  }
+  if (data["engines"].empty()) return fail("engines: expected at least one engine, found an empty list");
+  {
+    const json& target = data["graphs"]["target"];
+    if (target.contains("spec") && target["spec"].is_object() && target["spec"].contains("vocab_size") &&
+        target["spec"]["vocab_size"] != rt["vocab_size"]) {
+      return fail("runtime.vocab_size " + rt["vocab_size"].dump() + " does not match the target graph's vocab_size " +
+                  target["spec"]["vocab_size"].dump() + " (graphs.target.spec)");
     }
   }
   m.block_size_ = rt["block_size"].get<int64_t>();

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
+#include <map>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -263,4 +265,182 @@ TEST(Runtime, CloseEndsOpenRequests) {
   dspark::Event ev;
   EXPECT_FALSE(rt->NextEvent(&ev, std::chrono::milliseconds(10)));
   rt->Close();  // idempotent
+}
+
+// ---------------------------------------------------------------- lifecycle and misuse (never a crash)
+
+namespace {
+std::unique_ptr<dspark::Runtime> OpenTiny() {
+  dspark::RuntimeOptions opt;
+  opt.engine_dir = FixtureDir() + "/engines";
+  opt.verify_hashes = false;
+  std::unique_ptr<dspark::Runtime> rt;
+  dspark::Status st = dspark::Runtime::Open(opt, &rt);
+  if (!st.ok()) throw std::runtime_error(st.ToString());
+  return rt;
+}
+}  // namespace
+
+TEST(Lifecycle, CallsAfterCloseAreErrorsNotCrashes) {
+  auto rt = OpenTiny();
+  dspark::GenerationResult r;
+  ASSERT_TRUE(rt->Generate(IdsRequest({5, 6}, "ar", 3), &r).ok());
+  rt->Close();
+  EXPECT_EQ(rt->Cancel(1).code(), dspark::StatusCode::kFailedPrecondition);
+  dspark::RuntimeStats s = rt->Stats();
+  EXPECT_EQ(s.finished, 1);
+  EXPECT_EQ(s.generated_tokens, 3);
+  dspark::RequestId id;
+  EXPECT_EQ(rt->Submit(IdsRequest({5}, "ar", 2), nullptr, &id).code(), dspark::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rt->Generate(IdsRequest({5}, "ar", 2), &r).code(), dspark::StatusCode::kFailedPrecondition);
+  dspark::Event ev;
+  EXPECT_FALSE(rt->NextEvent(&ev, std::chrono::milliseconds::max()));  // closed: returns at once
+}
+
+TEST(Lifecycle, ConcurrentCloseAndStatsFromManyThreads) {
+  for (int round = 0; round < 3; ++round) {
+    auto rt = OpenTiny();
+    dspark::RequestId id;
+    ASSERT_TRUE(rt->Submit(IdsRequest({5, 6, 7}, "fixed:2", 40), nullptr, &id).ok());
+    std::atomic<bool> stop{false};
+    std::thread stats([&] { while (!stop) { rt->Stats(); rt->Cancel(12345); } });
+    std::thread a([&] { rt->Close(); }), b([&] { rt->Close(); });
+    a.join();
+    b.join();
+    stop = true;
+    stats.join();
+    dspark::Event ev;
+    ASSERT_TRUE(rt->NextEvent(&ev, std::chrono::seconds(5)));  // the open request got its final event
+    while (!ev.finished) ASSERT_TRUE(rt->NextEvent(&ev, std::chrono::seconds(5)));
+    EXPECT_TRUE(ev.finish_reason == "cancelled" || ev.finish_reason == "length") << ev.finish_reason;
+  }
+}
+
+TEST(Lifecycle, EverySubmitRacingCloseGetsOneFinalEvent) {
+  for (int round = 0; round < 3; ++round) {
+    auto rt = OpenTiny();
+    std::mutex mu;
+    std::map<dspark::RequestId, int> finals;
+    std::atomic<int> accepted{0};
+    std::vector<std::thread> clients;
+    for (int t = 0; t < 3; ++t) {
+      clients.emplace_back([&] {
+        for (int i = 0; i < 40; ++i) {
+          dspark::RequestId id;
+          dspark::Status st = rt->Submit(IdsRequest({5, 6}, "ar", 2), [&](const dspark::Event& ev) {
+            if (ev.finished) { std::lock_guard<std::mutex> lock(mu); finals[ev.request_id] += 1; }
+          }, &id);
+          if (st.ok()) accepted++;
+          else ASSERT_EQ(st.code(), dspark::StatusCode::kFailedPrecondition) << st.ToString();
+        }
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(30 * (round + 1)));
+    rt->Close();
+    for (auto& c : clients) c.join();
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(static_cast<int>(finals.size()), accepted.load());
+    for (auto& [id, n] : finals) EXPECT_EQ(n, 1) << id;
+  }
+}
+
+TEST(Lifecycle, CallbacksMayCloseOrDestroyTheRuntimeAndMayThrow) {
+  // Close from inside a callback: no deadlock, the other request still gets its final event.
+  auto rt = OpenTiny();
+  dspark::Runtime* raw = rt.get();
+  std::atomic<int> finals{0};
+  dspark::RequestId id;
+  ASSERT_TRUE(rt->Submit(IdsRequest({5, 6}, "ar", 30), [&](const dspark::Event& ev) {
+    if (ev.finished) finals++;
+  }, &id).ok());
+  ASSERT_TRUE(rt->Submit(IdsRequest({7, 8}, "ar", 30), [&](const dspark::Event& ev) {
+    if (!ev.token_ids.empty() && !ev.finished) raw->Close();
+    if (ev.finished) finals++;
+  }, &id).ok());
+  rt.reset();  // joins the driver after it finished the close
+  EXPECT_EQ(finals.load(), 2);
+
+  // Generate inside a callback is refused (it would wait for its own thread); a throwing callback is logged.
+  auto rt2 = OpenTiny();
+  raw = rt2.get();
+  dspark::Status inner;
+  std::promise<void> done;
+  ASSERT_TRUE(rt2->Submit(IdsRequest({5, 6}, "ar", 4), [&](const dspark::Event& ev) {
+    if (ev.finished) {
+      dspark::GenerationResult r;
+      inner = raw->Generate(IdsRequest({5}, "ar", 2), &r);
+      done.set_value();
+      throw std::runtime_error("a callback that throws");
+    }
+  }, &id).ok());
+  done.get_future().wait();
+  EXPECT_EQ(inner.code(), dspark::StatusCode::kFailedPrecondition);
+  dspark::GenerationResult after;
+  ASSERT_TRUE(rt2->Generate(IdsRequest({5, 6}, "ar", 3), &after).ok());  // still serving
+  EXPECT_EQ(after.token_ids.size(), 3u);
+
+  // Destroying the Runtime from its own callback.
+  auto* holder = new std::unique_ptr<dspark::Runtime>(OpenTiny());
+  std::promise<void> gone;
+  ASSERT_TRUE((*holder)->Submit(IdsRequest({5, 6}, "ar", 20), [&](const dspark::Event& ev) {
+    if (!ev.finished && holder != nullptr) {
+      delete holder;
+      holder = nullptr;
+      gone.set_value();
+    }
+  }, &id).ok());
+  EXPECT_EQ(gone.get_future().wait_for(std::chrono::seconds(60)), std::future_status::ready);
+}
+
+TEST(Lifecycle, NullOutputsAndBadOptions) {
+  EXPECT_EQ(dspark::Runtime::Open(dspark::RuntimeOptions{}, nullptr).code(), dspark::StatusCode::kInvalidArgument);
+  dspark::Runtime* rt = Shared();
+  EXPECT_EQ(rt->Submit(IdsRequest({5}, "ar", 2), nullptr, nullptr).code(), dspark::StatusCode::kInvalidArgument);
+  EXPECT_EQ(rt->Generate(IdsRequest({5}, "ar", 2), nullptr).code(), dspark::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(rt->NextEvent(nullptr, std::chrono::milliseconds(1)));
+  dspark::RuntimeOptions opt;
+  opt.engine_dir = FixtureDir() + "/engines";
+  std::unique_ptr<dspark::Runtime> out;
+  opt.threads = 100000;
+  dspark::Status st = dspark::Runtime::Open(opt, &out);
+  EXPECT_EQ(st.code(), dspark::StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("threads"), std::string::npos);
+  opt.threads = -1;
+  EXPECT_EQ(dspark::Runtime::Open(opt, &out).code(), dspark::StatusCode::kInvalidArgument);
+  opt.threads = 0;
+  opt.engine_dir = FixtureDir() + "/engines/manifest.json";
+  st = dspark::Runtime::Open(opt, &out);
+  EXPECT_EQ(st.code(), dspark::StatusCode::kEngineDir);
+  EXPECT_NE(st.message().find("found a file"), std::string::npos) << st.message();
+  opt.engine_dir = std::string("bad\xff\xfe");
+  EXPECT_EQ(dspark::Runtime::Open(opt, &out).code(), dspark::StatusCode::kInvalidArgument);
+}
+
+TEST(Lifecycle, InvalidUtf8SeedsAndTinyTemperatures) {
+  dspark::Runtime* rt = Shared();
+  dspark::RequestId id;
+  dspark::GenerateRequest req;
+  req.text = std::string("caf\xc3");  // truncated 2-byte sequence
+  dspark::Status st = rt->Submit(req, nullptr, &id);
+  EXPECT_EQ(st.code(), dspark::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("text"), std::string::npos) << st.message();
+  auto seeded = IdsRequest({5, 6, 7}, "fixed:2", 12);
+  seeded.params.temperature = 1.0f;
+  seeded.params.seed = 7;
+  dspark::GenerationResult a, b;
+  ASSERT_TRUE(rt->Generate(seeded, &a).ok());
+  ASSERT_TRUE(rt->Generate(seeded, &b).ok());
+  EXPECT_EQ(a.token_ids, b.token_ids);  // the same seed reproduces
+  seeded.params.seed = -5;
+  EXPECT_EQ(rt->Submit(seeded, nullptr, &id).code(), dspark::StatusCode::kInvalidArgument);
+  json expected = Expected();
+  auto tiny = IdsRequest(expected["prompts"][0]["prompt"].get<std::vector<int64_t>>(), "fixed:2",
+                         expected["max_new_tokens"]);
+  tiny.params.temperature = 1e-39f;  // below 1e-5: greedy (logits / T would overflow)
+  dspark::GenerationResult r;
+  ASSERT_TRUE(rt->Generate(tiny, &r).ok());
+  EXPECT_EQ(r.token_ids, expected["prompts"][0]["token_ids"].get<std::vector<int64_t>>());
+  auto stops = IdsRequest({5, 6}, "ar", 4);
+  stops.params.stop_token_ids = {100000};
+  EXPECT_EQ(rt->Submit(stops, nullptr, &id).code(), dspark::StatusCode::kInvalidArgument);
 }

@@ -135,8 +135,8 @@ class Runtime {
 
  private:
   struct Impl;
-  explicit Runtime(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit Runtime(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace dspark

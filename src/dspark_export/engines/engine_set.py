@@ -54,7 +54,13 @@ class EngineSet:
         plans = None
         shared: dict[str, SharedSession] = {}
         for key in keys:
-            spec = json.loads(manifest.path_of(key.path, "engines.path").read_text())
+            spec_path = manifest.path_of(key.path, "engines.path")
+            try:
+                spec = json.loads(spec_path.read_text())
+                if not isinstance(spec, dict):
+                    raise ValueError(f"expected a JSON object, found {type(spec).__name__}")
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise EngineDirError(f"{spec_path}: unreadable engine file ({type(e).__name__}: {e})") from e
             if backend == "onnxruntime":
                 graph = manifest.path_of(spec["graph"], f"{key.path}: graph")
                 session = None

@@ -33,7 +33,7 @@ from ..engines.packing import Segment, pack_segments
 from ..errors import EngineDirError, EngineRunError, RequestError
 from .kv_cache import KVCache
 from .policies import Policy
-from .request import GenerationResult, SamplingParams
+from .request import GREEDY_BELOW, GenerationResult, SamplingParams
 from .scheduler import ThroughputProfile, dspark_async_capacity
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,8 @@ class Generator:
         stop_ids = frozenset(int(t) for t in params.stop_token_ids
                              if isinstance(t, (int, np.integer))) if isinstance(params.stop_token_ids, tuple) else ()
         state = _State(index, prompt_ids, params,
-                       np.random.default_rng([seed if seed is not None else np.random.SeedSequence().entropy, index]),
+                       # a seeded request owns the stream of its seed alone, so it reproduces in any batch
+                       np.random.default_rng(seed if seed is not None else [np.random.SeedSequence().entropy, index]),
                        self.eos_ids | frozenset(stop_ids), result, on_token)
         self._requests[index] = state
         try:
@@ -263,6 +264,9 @@ class Generator:
         if len(ids) + 1 > self.max_context:
             raise RequestError(f"prompt: {len(ids)} tokens exceed the engine's context capacity "
                                f"{self.max_context} (prompt + at least 1 generated token)")
+        bad_stops = [int(t) for t in p.stop_token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad_stops:
+            raise RequestError(f"stop_token_ids: token ids must be in [0, {self.vocab_size}), found {bad_stops[:5]}")
 
     def _admit(self) -> None:
         with self._lock:
@@ -629,7 +633,9 @@ class Generator:
         top_k = np.zeros(self.num_slots, np.int64)
         top_p = np.ones(self.num_slots, np.float32)
         for s in states:
-            temp[s.slot], top_k[s.slot], top_p[s.slot] = s.params.temperature, s.params.top_k, s.params.top_p
+            t = s.params.temperature
+            temp[s.slot] = t if t >= GREEDY_BELOW else 0.0     # l / 1e-39 overflows: such a T is greedy
+            top_k[s.slot], top_p[s.slot] = s.params.top_k, s.params.top_p
         return {"temperature": temp, "top_k": top_k, "top_p": top_p}
 
     def _draft(self, active: list[_State]) -> dict[str, np.ndarray]:

@@ -58,7 +58,7 @@ def sampling_params_from(value: SamplingParams | Mapping | None) -> SamplingPara
         kw = dict(value)
         if "stop_token_ids" in kw:
             kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
-        if kw.get("seed", None) is not None and kw["seed"] < 0:  # C++ passes -1 for "no seed"
+        if kw.get("seed", None) == -1:  # the C++ API's "no seed"; other negatives are refused by validate
             kw["seed"] = None
         params = SamplingParams(**kw)
     else:
@@ -251,12 +251,12 @@ class Service:
             return
         t.tokens += tokens
         delta = ""
-        if t.decode_text and tokens:
-            text = self.runtime.tokenizer.decode(t.tokens, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):          # hold back a split multi-byte character
+        done = result.finish_reason is not None
+        if t.decode_text and (tokens or done):
+            text = self.runtime.tokenizer.decode(t.tokens, skip_special_tokens=True) if t.tokens else ""
+            if done or not text.endswith("\ufffd"):  # hold back a split multi-byte character until the end
                 delta = text[len(t.text):] if text.startswith(t.text) else text
                 t.text = text
-        done = result.finish_reason is not None
         event = Event(rid, list(tokens), delta, done, result.finish_reason, result.error,
                       result.stats.to_dict() if done else {})
         with self._lock:
