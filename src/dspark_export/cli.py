@@ -38,7 +38,7 @@ INSPECT_EXAMPLES = """examples:
 """
 TRT_EXAMPLES = """examples:
   dspark-export trt plan --engine-dir engines/smollm2               # lowering + optimization profiles (no TensorRT needed)
-  dspark-export trt build --engine-dir engines/smollm2              # TensorRT >= 10.8 and a GPU: engines + SPS profile
+  dspark-export trt build --engine-dir engines/smollm2              # TensorRT >= 10.9 and a GPU: engines + SPS profile
   dspark-export trt compare --engine-dir engines/smollm2            # TensorRT vs ONNX Runtime, Polygraphy comparator
   dspark-export generate --engine-dir engines/smollm2 --backend tensorrt --prompt "Hi"
 """
@@ -120,8 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                         "operator table; exit 1 if one would not parse")
     i.add_argument("--trt-version", type=int, default=10, help="TensorRT major version to check against (10)")
     i.add_argument("--trt-minor", type=int, default=15,
-                   help="TensorRT minor release targeted (15, the table's edition); below 8 the plugin nodes block, "
-                        "since ahead-of-time Python plugins need TensorRT >= 10.8")
+                   help="TensorRT minor release targeted (15, the table's edition); below 9 the plugin nodes block, "
+                        "since ahead-of-time Python plugins need TensorRT >= 10.9")
     i.add_argument("--json", action="store_true", help="one JSON object on stdout instead of tables")
 
     t = sub.add_parser("trt", help="TensorRT backend: plan (no TensorRT needed), build, compare",
@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     tp = t.add_parser("plan", help="lower the graphs and derive every engine's optimization profile (JSON); "
                                    "needs no TensorRT")
     tb = t.add_parser("build", help="build TensorRT engines (one plan per graph, one profile per bucket) into an "
-                                    "engine directory and profile them (TensorRT >= 10.8, GPU)")
+                                    "engine directory and profile them (TensorRT >= 10.9, GPU)")
     tc = t.add_parser("compare", help="compare every TensorRT engine with ONNX Runtime on the same inputs "
                                       "(Polygraphy comparator); exit 1 on a mismatch")
     for q in (tp, tb, tc):

@@ -26,7 +26,7 @@ BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16), request_buckets=(1, 2, 4), max_c
 CONTEXT = 16
 needs_tensorrt = pytest.mark.skipif(
     not has_tensorrt(), reason=f"TensorRT is not installed here ({tensorrt_unavailable_reason()}); building and "
-                               "running TensorRT engines needs TensorRT >= 10.8 and a GPU (scripts/gpu_check.sh)")
+                               "running TensorRT engines needs TensorRT >= 10.9 and a GPU (scripts/gpu_check.sh)")
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_trt_plan_command(engine_dir, capsys):
 def test_trt_commands_without_tensorrt_say_why(engine_dir, capsys, command):
     assert cli_main(["trt", command, "--engine-dir", str(engine_dir)]) == 2
     err = capsys.readouterr().err
-    assert "needs TensorRT >= 10.8" in err and "cannot import tensorrt" in err
+    assert "needs TensorRT >= 10.9" in err and "cannot import tensorrt" in err
     assert not (engine_dir / "engines" / "tensorrt").exists()  # nothing was written
 
 
@@ -228,6 +228,109 @@ def test_compare_runners_verdict_and_errors():
     assert not passed and outputs["y"]["max_abs"] == pytest.approx(0.01, abs=1e-6) and outputs["i"]["max_abs"] == 0
     passed, _ = compare_runners([a, b], feed, atol=0.1, rtol=0.0)
     assert passed
+
+
+def _fake_aot_plugin_module() -> dict:
+    return {name: object() for name in ("aot_impl", "KernelLaunchParams", "SymInt32")}
+
+
+def test_build_passes_no_flags_to_the_onnx_parser(engine_dir, tmp_path, fake_tensorrt, monkeypatch):
+    """At the Polygraphy boundary: the builder asks for a strongly typed network and passes nothing through
+    `NetworkFromOnnxPath(flags=...)` (those are OnnxParserFlags; a network creation flag there would switch on an
+    unrelated parser flag); the AOT implementation is chosen by each plugin node's `aot` = 1 in the lowered graph.
+    The fake engine build then fails, and the written files are removed (the directory stays valid)."""
+    import shutil
+    import sys
+    import types
+
+    from dspark_export.engines.inspect import inspect_engine_dir
+    from dspark_export.engines.trt.builder import TrtBuildConfig, build_trt_engines
+    from dspark_export.plugins import tensorrt_plugins
+
+    work = tmp_path / "dir"
+    shutil.copytree(engine_dir, work)
+    for p in [work, *work.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    fake_tensorrt(version="10.16.0.1", plugin=_fake_aot_plugin_module())
+    calls = []
+
+    class NetworkFromOnnxPath:
+        def __init__(self, path, *args, **kwargs):
+            calls.append((path, args, kwargs))
+            self.path = path
+
+    def engine_bytes(network, config):
+        def build():
+            raise RuntimeError("fake TensorRT: no engine")
+        return build
+
+    Profile = pytest.importorskip("polygraphy.backend.trt").Profile  # the real one: it needs no TensorRT
+    polygraphy_trt = types.ModuleType("polygraphy.backend.trt")
+    polygraphy_trt.Profile = Profile
+    polygraphy_trt.NetworkFromOnnxPath = NetworkFromOnnxPath
+    polygraphy_trt.CreateConfig = lambda **kwargs: kwargs
+    polygraphy_trt.EngineBytesFromNetwork = engine_bytes
+    monkeypatch.setitem(sys.modules, "polygraphy.backend.trt", polygraphy_trt)
+    monkeypatch.setattr(tensorrt_plugins, "register_plugins", lambda *a: ("dspark::MarkovDraft",))
+    monkeypatch.setattr(tensorrt_plugins, "device_capability", lambda: 90)
+
+    with pytest.raises(BuildError, match="TensorRT engine build failed .*fake TensorRT: no engine"):
+        build_trt_engines(TrtBuildConfig(work, context_len=CONTEXT, repeats=1))
+    [(path, args, kwargs)] = calls
+    assert path.endswith("graphs/target.trt.onnx") and args == ()
+    assert kwargs == {"strongly_typed": True}  # no `flags`, no network creation flag
+    # what picks the AOT implementation instead: `aot` = 1 on every plugin node of the lowered graphs
+    lowered = plan_build(Manifest.load(work), CONTEXT)["graphs"]["verify"]["model"]
+    nodes = [n for n in lowered.graph.node if n.domain == "dspark"]
+    assert nodes and all(onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "aot")) == 1
+                         for n in nodes)
+    inspect_engine_dir(work)  # nothing written is left behind
+    assert not (work / "graphs" / "target.trt.onnx").exists()
+
+
+def test_build_without_a_known_compute_capability_writes_nothing(engine_dir, tmp_path, fake_tensorrt, monkeypatch):
+    import shutil
+
+    from dspark_export.engines.trt.builder import TrtBuildConfig, build_trt_engines
+    from dspark_export.plugins import tensorrt_plugins
+
+    work = tmp_path / "dir"
+    shutil.copytree(engine_dir, work)
+    for p in [work, *work.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    fake_tensorrt(version="10.16.0.1", plugin=_fake_aot_plugin_module())
+
+    def unknown():
+        raise BuildError("the GPU's compute capability could not be determined (fake)")
+
+    monkeypatch.setattr(tensorrt_plugins, "device_capability", unknown)
+    monkeypatch.setattr(tensorrt_plugins, "register_plugins", lambda *a: pytest.fail("registered"))
+    with pytest.raises(BuildError, match="compute capability could not be determined"):
+        build_trt_engines(TrtBuildConfig(work, context_len=CONTEXT, repeats=1))
+    assert sorted(p.relative_to(work) for p in work.rglob("*")) == sorted(
+        p.relative_to(engine_dir) for p in engine_dir.rglob("*"))
+
+
+def test_trt_runner_returns_arrays_it_owns():
+    """Polygraphy's TrtRunner reuses its output buffers between calls; TrtEngineRunner.infer returns copies,
+    so a result stays as it was after the next call (as OrtRunner's fresh arrays do)."""
+    from dspark_export.engines.manifest import EngineKey
+    from dspark_export.engines.trt.runner import PlanStore, TrtEngineRunner
+
+    class ReusingRunner:  # what Polygraphy does: one host buffer per output, overwritten by each call
+        def __init__(self):
+            self.buffer = np.zeros(3, np.float32)
+
+        def infer(self, feed, check_inputs=True):
+            self.buffer[:] = feed["x"]
+            return {"y": self.buffer}
+
+    runner = TrtEngineRunner("unused.plan", 0, EngineKey("verify", "tensorrt", "R", 1), PlanStore())
+    runner._runner, runner._meta = ReusingRunner(), {"x": (np.float32, 1)}
+    first = runner.infer({"x": np.ones(3, np.float32)})
+    second = runner.infer({"x": np.full(3, 2.0, np.float32)})
+    assert first["y"].tolist() == [1.0, 1.0, 1.0] and second["y"].tolist() == [2.0, 2.0, 2.0]
+    assert first["y"].flags.owndata and first["y"].flags.writeable
 
 
 def test_dropping_tensorrt_entries_leaves_a_valid_directory(engine_dir, tmp_path):

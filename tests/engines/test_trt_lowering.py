@@ -198,14 +198,14 @@ def test_inspect_checks_the_lowered_graphs(engine_dir, capsys):
     assert all(f["fallback"] for f in trt["findings"])  # what remains is inside the canonical function bodies
 
 
-def test_inspect_below_trt_10_8_blocks_the_plugins(engine_dir, capsys):
-    code, out = _inspect(capsys, engine_dir, "--trt-compat", "--trt-minor", "7", "--json")
+def test_inspect_below_trt_10_9_blocks_the_plugins(engine_dir, capsys):
+    code, out = _inspect(capsys, engine_dir, "--trt-compat", "--trt-minor", "8", "--json")
     trt = json.loads(out)["trt_compat"]
     blocking = [(f["graph"], f["rule"]) for f in trt["findings"] if f["severity"] == "error" and not f["fallback"]]
     assert code == 1 and trt["verdict"] == "unsupported"
     assert sorted(blocking) == [("drafter_block", "plugin-trt-minor"), ("verify", "plugin-trt-minor")]
-    code, out = _inspect(capsys, engine_dir, "--trt-compat", "--trt-minor", "7")
-    assert code == 1 and "needs TensorRT >= 10.8, targeted 10.7" in out
+    code, out = _inspect(capsys, engine_dir, "--trt-compat", "--trt-minor", "8")
+    assert code == 1 and "needs TensorRT >= 10.9, targeted 10.8" in out
 
 
 def test_placeholder_values_are_zero():

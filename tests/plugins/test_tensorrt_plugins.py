@@ -18,6 +18,7 @@ import typing
 import zlib
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 import pytest
 
@@ -34,7 +35,7 @@ needs_triton = pytest.mark.skipif(
     not has_triton(), reason="triton does not import (pip install 'dspark-export[triton]'), so the kernels cannot run")
 needs_tensorrt = pytest.mark.skipif(
     not has_tensorrt(), reason=f"TensorRT is not installed here ({tensorrt_unavailable_reason()}); the plugins "
-                               "need TensorRT >= 10.8 and a GPU (scripts/gpu_check.sh runs this test there)")
+                               "need TensorRT >= 10.9 and a GPU (scripts/gpu_check.sh runs this test there)")
 SMALL = dict(block_v=16, num_probes=16)  # V = 37, 50: masked tail blocks
 
 
@@ -240,6 +241,48 @@ class _Recorder:
     def from_shape_expr(cls, dims, dtype):
         return cls.TensorDesc(dims, dtype)
 
+    # -- what TensorRT does with the plugin attributes (tensorrt/plugin/_validate.py and _lib.py) --------------
+    SERIALIZABLE_BUILTINS = (int, float, bytes, bool, str)
+    SERIALIZABLE_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_)
+
+    @classmethod
+    def attribute_annotations(cls, register_fn) -> dict:
+        """The attributes `register` declares, checked as TensorRT's registration checks them: a builtin, or
+        `numpy.typing.NDArray[dtype]` of a serializable dtype."""
+        out = {}
+        for name, p in inspect.signature(register_fn).parameters.items():
+            if p.annotation is cls.TensorDesc:
+                continue
+            if p.annotation not in cls.SERIALIZABLE_BUILTINS:
+                assert typing.get_origin(p.annotation) is np.ndarray, (name, p.annotation)
+                assert cls.field_dtype(p.annotation) in cls.SERIALIZABLE_DTYPES, (name, p.annotation)
+            out[name] = p.annotation
+        return out
+
+    @staticmethod
+    def field_dtype(annotation):
+        return typing.get_args(typing.get_args(annotation)[1])[0]
+
+    @classmethod
+    def creator_attrs(cls, annotations: dict, fields: dict) -> dict:
+        """The plugin creator's conversion of the fields it receives (numpy arrays, as the ONNX parser sends
+        them): a numpy annotation gives ``data.astype(dtype)``, a builtin one ``annotation(data)``."""
+        out = {}
+        for name, data in fields.items():
+            annotation = annotations[name]
+            if typing.get_origin(annotation) is np.ndarray:
+                out[name] = data.astype(cls.field_dtype(annotation))
+            elif annotation is str:
+                out[name] = data.tobytes().decode("utf-8")
+            else:
+                out[name] = annotation(data)
+        return out
+
+
+def _parser_fields(fields: dict) -> dict:
+    """Plugin fields as the ONNX parser passes INT attributes: one-element INT32 arrays."""
+    return {name: np.array([int(value)], dtype=np.int32) for name, value in fields.items()}
+
 
 def _input_descs(op, shapes):
     return {s.name: _Recorder.TensorDesc(shapes[s.name], "INT64" if s.dtype.kind == "i" else "FLOAT")
@@ -261,7 +304,11 @@ def test_definitions_follow_the_tensorrt_plugin_signatures():
             for name in inputs:
                 want = _Recorder.TensorDesc if kind != "impl" else _Recorder.Tensor
                 assert sig.parameters[name].annotation is want
-            assert all(sig.parameters[name].annotation is int for name in fields)
+            for name in fields:  # what the parser sends (a one-element INT32 field); equal in all three
+                annotation = sig.parameters[name].annotation
+                assert annotation == npt.NDArray[np.int32], (op, kind, name, annotation)
+                assert typing.get_origin(annotation) is np.ndarray and _Recorder.field_dtype(annotation) is np.int32
+        assert set(_Recorder.attribute_annotations(defs["register"])) == set(fields)
         ret = inspect.signature(defs["register"]).return_annotation
         assert typing.get_origin(ret) is tuple and len(typing.get_args(ret)) == len(spec.outputs)
         ret = typing.get_args(inspect.signature(defs["aot_impl"]).return_annotation)
@@ -298,12 +345,202 @@ def test_aot_impl_launch_parameters_match_the_kernel():
     for op, shape in shapes.items():
         descs = _input_descs(op, shape)
         fields = PLUGIN_SPECS[op].check_fields({"has_markov": 1, "has_confidence": 1} if op == "MarkovDraft" else {})
-        outs = fns[op]["register"](**descs, **fields)
-        name, ptx, params, extra = fns[op]["aot_impl"](**descs, **fields, outputs=outs, tactic=0)
+        attrs = _Recorder.creator_attrs(_Recorder.attribute_annotations(fns[op]["register"]), _parser_fields(fields))
+        outs = fns[op]["register"](**descs, **attrs)
+        name, ptx, params, extra = fns[op]["aot_impl"](**descs, **attrs, outputs=outs, tactic=0)
         assert entry_params(ptx)[0] == name
         assert params.grid_x.value == "R" and params.block_x % 32 == 0 and params.shared_mem >= 0
         assert isinstance(extra, _Recorder.SymIntExprs)
         assert [(kind, e.value) for kind, e in extra] == [("i32", shape[src][axis]) for _, (src, axis) in SCALARS[op]]
+
+
+@pytest.mark.parametrize("op", sorted(PLUGIN_SPECS))
+def test_fields_arrive_as_int32_arrays_and_reach_the_kernels_as_checked_ints(op, monkeypatch):
+    """The parser's one-element INT32 fields, converted as TensorRT's creator converts them, go through
+    register, aot_impl and impl; the kernels get plain ints, checked against the spec."""
+    from dspark_export.plugins import tensorrt_plugins as tp
+
+    seen = []
+    monkeypatch.setattr(tp, "_aot", lambda trt, trtp, op_, inputs, fields, capability: seen.append(
+        ("aot", op_, fields, capability)) or ("k", "ptx", None, None))
+    monkeypatch.setattr(tp, "_jit", lambda op_, inputs, fields, outputs, stream: seen.append(("jit", op_, fields)))
+    fns = tp.plugin_functions(_Recorder, _Recorder, capability=90)
+    symbolic = {s.name: tuple(f"{s.name}[{k}]" for k in range(len(s.shape))) for s in PLUGIN_SPECS[op].schema.inputs}
+    descs = _input_descs(op, symbolic)
+    fields = PLUGIN_SPECS[op].check_fields({"has_markov": 1, "has_confidence": 0} if op == "MarkovDraft"
+                                           else {"block_v": 64, "num_probes": 4})
+    attrs = _Recorder.creator_attrs(_Recorder.attribute_annotations(fns[op]["register"]), _parser_fields(fields))
+    assert all(isinstance(v, np.ndarray) and v.shape == (1,) and v.dtype == np.int32 for v in attrs.values())
+    outs = fns[op]["register"](**descs, **attrs)
+    assert len(outs) == len(PLUGIN_SPECS[op].outputs)
+    fns[op]["aot_impl"](**descs, **attrs, outputs=outs, tactic=0)
+    fns[op]["impl"](**{k: object() for k in descs}, **attrs, outputs=(), stream=0)
+    assert seen == [("aot", op, fields, 90), ("jit", op, fields)]
+    assert all(type(v) is int for _, _, f, *_ in seen for v in f.values())
+    # 0-d arrays and ints are read the same way
+    fns[op]["aot_impl"](**descs, **{k: np.int32(v[0]) for k, v in attrs.items()}, outputs=outs, tactic=0)
+    fns[op]["aot_impl"](**descs, **{k: int(v[0]) for k, v in attrs.items()}, outputs=outs, tactic=0)
+    assert seen[2][2] == seen[3][2] == fields
+
+
+def test_bad_fields_are_named(monkeypatch):
+    from dspark_export.plugins import tensorrt_plugins as tp
+
+    monkeypatch.setattr(tp, "_aot", lambda *a: pytest.fail("reached the kernel"))
+    fns = tp.plugin_functions(_Recorder, _Recorder, capability=90)["SpeculativeVerify"]
+    descs = _input_descs("SpeculativeVerify", {s.name: (1,) * len(s.shape)
+                                               for s in PLUGIN_SPECS["SpeculativeVerify"].schema.inputs})
+    good = _parser_fields({"block_v": 64, "num_probes": 4})
+    with pytest.raises(PluginError, match="'num_probes': expected one integer .* found int32 of shape \\(2,\\)"):
+        fns["aot_impl"](**descs, **{**good, "num_probes": np.array([4, 4], np.int32)}, outputs=(), tactic=0)
+    with pytest.raises(PluginError, match="'block_v': expected one integer .* found float32"):
+        fns["aot_impl"](**descs, **{**good, "block_v": np.array([64.0], np.float32)}, outputs=(), tactic=0)
+    with pytest.raises(PluginError, match="'block_v' expected a power of two"):
+        fns["aot_impl"](**descs, **{**good, "block_v": np.array([48], np.int32)}, outputs=(), tactic=0)
+
+
+# -- the compute capability the AOT kernels are compiled for -----------------------------------------------
+
+def _fake_cudart(major=None, minor=None, fail=None):
+    """A stand-in of cuda-python's runtime bindings: every call returns (error, value...)."""
+    import enum
+    import types
+
+    class Err(enum.Enum):
+        cudaSuccess = 0
+        cudaErrorNoDevice = 100
+
+    class Attr(enum.Enum):
+        cudaDevAttrComputeCapabilityMajor = 75
+        cudaDevAttrComputeCapabilityMinor = 76
+
+    values = {Attr.cudaDevAttrComputeCapabilityMajor: major, Attr.cudaDevAttrComputeCapabilityMinor: minor}
+    mod = types.ModuleType("cuda.bindings.runtime")
+    mod.cudaError_t, mod.cudaDeviceAttr = Err, Attr
+    mod.cudaGetDevice = lambda: (Err.cudaErrorNoDevice, 0) if fail == "device" else (Err.cudaSuccess, 0)
+    mod.cudaDeviceGetAttribute = lambda attr, device: (Err.cudaSuccess, values[attr])
+    return mod
+
+
+def _fake_torch(capability=None):
+    import types
+
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(is_available=lambda: capability is not None,
+                                       get_device_capability=lambda: capability)
+    return torch
+
+
+@pytest.fixture
+def no_sm_env(monkeypatch):
+    from dspark_export.plugins.tensorrt_plugins import SM_ENV
+
+    monkeypatch.delenv(SM_ENV, raising=False)
+    return SM_ENV
+
+
+def test_capability_comes_from_the_device(no_sm_env, monkeypatch):
+    from dspark_export.plugins.tensorrt_plugins import device_capability
+
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch((9, 0)))
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", _fake_cudart(8, 6))
+    assert device_capability() == 90  # torch first
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(None))
+    assert device_capability() == 86  # then cuda-python
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert device_capability() == 86
+
+
+def test_capability_unknown_is_an_error_not_sm90(no_sm_env, monkeypatch):
+    from dspark_export.plugins import tensorrt_plugins as tp
+
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(None))
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", _fake_cudart(fail="device"))
+    with pytest.raises(BuildError, match="compute capability could not be determined") as e:
+        tp.device_capability()
+    assert "torch: no CUDA device" in str(e.value) and "cudaGetDevice failed" in str(e.value)
+    assert "DSPARK_TRT_SM=90" in str(e.value)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", None)
+    monkeypatch.setitem(sys.modules, "cuda.cudart", None)
+    with pytest.raises(BuildError, match="cuda-python: not installed"):
+        tp.device_capability()
+    # the definitions ask only when TensorRT calls aot_impl (building), so loading an engine never needs it
+    fns = tp.plugin_functions(_Recorder, _Recorder)["SpeculativeVerify"]
+    descs = _input_descs("SpeculativeVerify", {s.name: (1,) * len(s.shape)
+                                               for s in PLUGIN_SPECS["SpeculativeVerify"].schema.inputs})
+    with pytest.raises(BuildError, match="compute capability could not be determined"):
+        fns["aot_impl"](**descs, **_parser_fields({"block_v": 64, "num_probes": 4}), outputs=(), tactic=0)
+
+
+def test_capability_override(no_sm_env, monkeypatch):
+    from dspark_export.plugins.tensorrt_plugins import device_capability
+
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch((9, 0)))
+    monkeypatch.setenv(no_sm_env, "89")
+    assert device_capability() == 89  # an explicit choice wins over the device
+    for bad in ("sm_90", "9", "9.0"):
+        monkeypatch.setenv(no_sm_env, bad)
+        with pytest.raises(BuildError, match=f"DSPARK_TRT_SM: expected a CUDA compute capability .* found '{bad}'"):
+            device_capability()
+
+
+# -- registration, through stand-in tensorrt modules ---------------------------------------------------------
+
+def _recording_plugin_module(registered: list, with_aot: bool = True) -> dict:
+    """tensorrt.plugin's attributes: the stand-in's classes plus register / aot_impl / impl decorators that
+    record what they get and check, as TensorRT does, that aot_impl's and impl's attribute annotations equal
+    register's."""
+    attrs = {name: getattr(_Recorder, name) for name in ("TensorDesc", "Tensor", "SymExprs", "SymIntExprs")}
+    declared = {}
+
+    def decorator(kind):
+        def by_id(plugin_id):
+            def record(fn):
+                if kind == "register":
+                    declared[plugin_id] = _Recorder.attribute_annotations(fn)
+                else:
+                    sig = inspect.signature(fn).parameters
+                    assert all(sig[n].annotation == a for n, a in declared[plugin_id].items()), (plugin_id, kind)
+                registered.append((plugin_id, kind))
+                return fn
+            return record
+        return by_id
+
+    attrs.update(register=decorator("register"), impl=decorator("impl"))
+    if with_aot:
+        attrs.update(aot_impl=decorator("aot_impl"), KernelLaunchParams=_Recorder.KernelLaunchParams,
+                     SymInt32=_Recorder.SymInt32)
+    return attrs
+
+
+def test_register_plugins_defines_both_plugins(fake_tensorrt, no_sm_env, monkeypatch):
+    from dspark_export.plugins.tensorrt_plugins import register_plugins
+
+    registered = []
+    fake_tensorrt(version="10.16.0.1", plugin=_recording_plugin_module(registered))
+    fake_trt = sys.modules["tensorrt"]
+    fake_trt.int64, fake_trt.float32 = _Recorder.int64, _Recorder.float32
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(None))  # no GPU: registering must not need one
+    assert register_plugins.__wrapped__() == ("dspark::MarkovDraft", "dspark::SpeculativeVerify")
+    assert registered == [(f"dspark::{op}", kind) for op in ("MarkovDraft", "SpeculativeVerify")
+                          for kind in ("register", "aot_impl", "impl")]
+
+
+@pytest.mark.parametrize("version,with_aot,why", [
+    ("10.8.0.43", True, "TensorRT 10.8.0.43 is older than 10.9"),
+    ("10.9.0.34", False, "tensorrt.plugin has no aot_impl, KernelLaunchParams, SymInt32"),
+    ("10.9.0.34", None, "has no tensorrt.plugin module"),
+])
+def test_register_plugins_on_a_tensorrt_without_aot_plugins_says_why(fake_tensorrt, version, with_aot, why):
+    from dspark_export.engines.trt import has_tensorrt
+    from dspark_export.plugins.tensorrt_plugins import register_plugins
+
+    registered = []
+    fake_tensorrt(version=version, plugin=None if with_aot is None else _recording_plugin_module(registered, with_aot))
+    assert not has_tensorrt()
+    with pytest.raises(BuildError, match="needs TensorRT >= 10.9") as e:
+        register_plugins.__wrapped__(90)
+    assert why in str(e.value) and registered == []
 
 
 def test_register_plugins_without_tensorrt_says_why():
@@ -311,7 +548,7 @@ def test_register_plugins_without_tensorrt_says_why():
         pytest.skip("TensorRT is installed here; the refusal path cannot be exercised")
     from dspark_export.plugins.tensorrt_plugins import register_plugins
 
-    with pytest.raises(BuildError, match="needs TensorRT >= 10.8"):
+    with pytest.raises(BuildError, match="needs TensorRT >= 10.9"):
         register_plugins.__wrapped__(90)
 
 

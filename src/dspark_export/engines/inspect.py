@@ -81,8 +81,8 @@ def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int
             the manifest does not list, or a graph that is not readable ONNX. One line naming the file.
         ConfigError: `trt_version` is not a tabled TensorRT major.
 
-    `trt_minor` is the TensorRT 10 minor release targeted: below 8 the plugin nodes of the lowered graphs
-    are blocking (ahead-of-time Python plugins arrived in 10.8).
+    `trt_minor` is the TensorRT 10 minor release targeted: below 9 the plugin nodes of the lowered graphs
+    are blocking (ahead-of-time Python plugins arrived in 10.9; `MIN_TRT_VERSION`).
     """
     root = Path(root)
     manifest = Manifest.load(root, verify=True)
@@ -367,6 +367,8 @@ def _format(report: InspectReport) -> str:
 
 
 def _format_trt(report: InspectReport) -> list[str]:
+    from ..plugins.tensorrt_spec import MIN_TRT_VERSION
+
     trt = report.trt
     lo, hi = trt["table"]["opset_range"]
     out = [f"TensorRT {trt['trt_version']} compatibility (table: {trt['table']['source']})"]
@@ -380,7 +382,8 @@ def _format_trt(report: InspectReport) -> list[str]:
         fields = ", ".join(f"{k}={v}" for k, v in p.get("fields", {}).items())
         out.append(f"  plugin node {p['graph']}: {p['node']} -> {p['op']} v{p['version']} (TensorRT plugin "
                    f"{p['op'].split('::')[-1]} in namespace {p['op'].split('::')[0]}, aot=1; {fields}; needs "
-                   "TensorRT >= 10.8 with dspark_export.plugins.tensorrt_plugins registered)")
+                   f"TensorRT >= {MIN_TRT_VERSION[0]}.{MIN_TRT_VERSION[1]} with "
+                   "dspark_export.plugins.tensorrt_plugins registered)")
 
     def rows_of(fs: list[Finding]) -> list[str]:
         rows = [["graph", "node", "op", "where", "reason"]]

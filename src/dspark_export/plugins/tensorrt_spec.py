@@ -22,8 +22,9 @@ How TensorRT's ONNX parser reaches a plugin (onnx-tensorrt ``FallbackPluginImpor
   cannot take, so the lowering feeds a one-element zero placeholder instead (never read: the kernel is
   compiled without that branch, see ``has_markov`` / ``has_confidence``);
 - INT64 tensors reach the plugin as INT64 (the parser casts only some of TensorRT's own plugins to INT32);
-- a boolean attribute ``aot`` = 1 asks for the ahead-of-time implementation (needs TensorRT >= 10.8,
-  the first release whose ``tensorrt.plugin`` has ``aot_impl``).
+- a boolean attribute ``aot`` = 1 asks for the ahead-of-time implementation of that node (needs TensorRT
+  >= 10.9, the first release whose ``tensorrt.plugin`` has ``aot_impl`` and whose parser reads ``aot``); the
+  node's choice overrides any network-level preference, so the builder passes no flags for it.
 
 Plugin ids: ``dspark::MarkovDraft`` and ``dspark::SpeculativeVerify`` (namespace = the ONNX domain, name =
 the ONNX op type, version "1"), so the lowered node keeps the canonical node's op type and domain.
@@ -49,8 +50,9 @@ PLUGIN_NAMESPACE = DOMAIN
 """TensorRT plugin namespace of both plugins (``tensorrt.plugin`` forbids "", "trt", "tensorrt" and dots)."""
 PLUGIN_VERSION = "1"
 """Plugin version; ``tensorrt.plugin`` creators are always version "1"."""
-MIN_TRT_VERSION = (10, 8)
-"""The first TensorRT release with ``tensorrt.plugin.aot_impl`` (ahead-of-time Python plugins)."""
+MIN_TRT_VERSION = (10, 9)
+"""The first TensorRT release with ``tensorrt.plugin.aot_impl`` (ahead-of-time Python plugins: TensorRT 10.9
+release notes; its CHANGELOG, 10.9: "Added support for Python AOT plugins")."""
 DEFAULT_BLOCK_V = 1024
 """Vocab block of the kernels (equal to ``triton_kernel.DEFAULT_BLOCK_V`` of both ops; tested)."""
 DEFAULT_NUM_PROBES = 8

@@ -12,7 +12,16 @@ and the manifest is re-sealed (new files listed with size and sha256; the ONNX R
 profile stay as they were).
 
 ``plan_build`` is the part that needs no TensorRT: the lowering and every profile, checked; ``trt plan``
-prints it. ``build_trt_engines`` needs TensorRT >= 10.8 and a GPU. NOT RUN on real hardware so far.
+prints it. ``build_trt_engines`` needs TensorRT >= 10.9 and a GPU. NOT RUN on real hardware so far.
+
+The AOT implementation is chosen per plugin node by the node attribute ``aot`` = 1 the lowering writes (a
+node-level choice overrides any network-level preference), so the build passes no flags of its own to the
+ONNX parser: Polygraphy's ``NetworkFromOnnxPath(flags=...)`` takes ``trt.OnnxParserFlag`` values (it ORs
+``1 << int(flag)`` into ``parser.flags``), and a ``NetworkDefinitionCreationFlag`` passed there turns on an
+unrelated parser flag of the same number (``PREFER_AOT_PYTHON_PLUGINS`` = 3 is ``ENABLE_PLUGIN_OVERRIDE`` in
+10.15/10.16, which lets a loaded plugin named like an ONNX op type replace that op, i.e. sends our Split
+nodes to TensorRT's own "Split" plugin; in 11.x it is 2, ``REPORT_CAPABILITY_DLA``, which needs a DLA
+builder config).
 """
 
 from __future__ import annotations
@@ -117,15 +126,16 @@ def build_trt_engines(cfg: TrtBuildConfig, progress: Progress | None = None) -> 
     Returns:
         the TensorRT sps.json object.
     Raises:
-        BuildError: TensorRT missing, engines already present without ``overwrite``, a graph that does not
-            lower or parse, or a failed engine build (the files written so far are removed).
+        BuildError: TensorRT missing or older than 10.9, engines already present without ``overwrite``, the
+            GPU's compute capability unknown (``tensorrt_plugins.device_capability``; nothing written), a
+            graph that does not lower or parse, or a failed engine build (the files written so far are removed).
         EngineDirError: the directory is incomplete or altered (checked before anything is written).
     """
     require_tensorrt("dspark-export trt build")
     import tensorrt as trt
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath
 
-    from ...plugins.tensorrt_plugins import register_plugins
+    from ...plugins.tensorrt_plugins import device_capability, register_plugins
     from ..engine_set import EngineSet
     from ..profiler import measure_profile
 
@@ -136,11 +146,12 @@ def build_trt_engines(cfg: TrtBuildConfig, progress: Progress | None = None) -> 
     if existing and not cfg.overwrite:
         raise BuildError(f"{root}: already has {len(existing)} TensorRT engines; pass --overwrite to rebuild them")
     plan = plan_build(manifest, cfg.context_len, cfg.fields)
+    capability = device_capability()  # before anything is written: the AOT kernels are compiled for this GPU
     register_plugins()
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    versions = {"tensorrt": trt.__version__, "gpu": gpu}
+    versions = {"tensorrt": trt.__version__, "gpu": gpu, "sm": capability}
     written: list[str] = []
     trt_dir = root / TRT_DIR
     if existing:  # unlist the old TensorRT files first, so a failed rebuild leaves a valid ONNX Runtime directory
@@ -158,7 +169,8 @@ def build_trt_engines(cfg: TrtBuildConfig, progress: Progress | None = None) -> 
             say(f"TensorRT {graph}: {len(item['profiles'])} profiles (buckets "
                 f"{[p.bucket for p in item['profiles']]})")
             t0 = time.perf_counter()
-            network = NetworkFromOnnxPath(str(root / graph_rel), strongly_typed=True, flags=_network_flags(trt))
+            # no parser flags: `aot` = 1 on each plugin node picks the AOT implementation (module docstring)
+            network = NetworkFromOnnxPath(str(root / graph_rel), strongly_typed=True)
             config = CreateConfig(profiles=[p.polygraphy() for p in item["profiles"]],
                                   builder_optimization_level=cfg.builder_optimization_level)
             try:
@@ -208,12 +220,6 @@ def _drop_tensorrt(manifest: Manifest) -> None:
     manifest.save()
     for rel in rels:
         (root / rel).unlink(missing_ok=True)
-
-
-def _network_flags(trt) -> list:
-    """Prefer the ahead-of-time plugin implementations when the TensorRT release has the flag (>= 10.8)."""
-    flag = getattr(trt.NetworkDefinitionCreationFlag, "PREFER_AOT_PYTHON_PLUGINS", None)
-    return [flag] if flag is not None else []
 
 
 def plan_summary(plan: dict) -> dict:

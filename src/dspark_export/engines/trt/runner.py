@@ -110,4 +110,6 @@ class TrtEngineRunner(EngineRunner):
         except Exception as e:  # Polygraphy raises PolygraphyException for shapes outside the profile
             raise RequestError(f"engine {self.key.path}: TensorRT refused the feed ({type(e).__name__}: {e})") from e
         self.last_latency_ms = (time.perf_counter() - t0) * 1e3
-        return {k: np.asarray(v) for k, v in out.items()}
+        # Polygraphy's TrtRunner returns its own host output buffers and overwrites them on the next call
+        # (np.asarray would not copy): return arrays the caller owns, as OrtRunner's are fresh per call.
+        return {k: np.array(v, copy=True) for k, v in out.items()}
