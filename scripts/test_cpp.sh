@@ -10,7 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD="${DSPARK_CPP_BUILD:-build/cpp}"
-PYTHON="$(command -v python || command -v python3)"
+PYTHON_ON_PATH="$(command -v python || command -v python3)"
+# the real interpreter, not a pyenv-style shim: its path is compiled in as the default embedded Python
+PYTHON="$("$PYTHON_ON_PATH" -c 'import sys; print(sys.executable)')"
 
 missing=()
 command -v cmake >/dev/null || missing+=(cmake)

@@ -136,3 +136,61 @@ def test_sampling_params_from_mapping():
     assert sampling_params_from(None).max_new_tokens == 128
     with pytest.raises(RequestError, match="mapping"):
         sampling_params_from(np.zeros(3))
+
+
+def test_the_final_event_flushes_held_back_text(service, runtime, monkeypatch):  # noqa: F811
+    """A multi-byte character split across tokens is held back while streaming, but not lost at the end."""
+    real = runtime.tokenizer.decode
+    monkeypatch.setattr(runtime.tokenizer, "decode", lambda ids, **kw: real(ids, **kw) + "\ufffd")
+    rid = service.submit([5, 6, 7], {"max_new_tokens": 3})
+    events = _drain(service)[rid]
+    assert all(e.text_delta == "" for e in events[:-1])
+    assert "".join(e.text_delta for e in events).endswith("\ufffd")
+
+
+def test_seeded_requests_reproduce_in_any_batch(service):
+    params = {"max_new_tokens": 10, "temperature": 1.0, "seed": 11}
+    alone = service.submit([5, 6, 7], params, policy="fixed:2", decode_text=False)
+    first = sum((e.token_ids for e in _drain(service)[alone]), [])
+    others = [service.submit(p, {"max_new_tokens": 10, "temperature": 1.0}, policy="fixed:2", decode_text=False)
+              for p in PROMPTS]
+    again = service.submit([5, 6, 7], params, policy="fixed:2", decode_text=False)
+    events = _drain(service)
+    assert sum((e.token_ids for e in events[again]), []) == first and len(events) == len(others) + 1
+
+
+def test_tiny_temperatures_decode_greedily_and_stop_ids_are_checked(service, runtime):  # noqa: F811
+    expected = _expected(runtime)
+    rid = service.submit(PROMPTS[0], {"max_new_tokens": 12, "temperature": 1e-39}, decode_text=False)
+    assert sum((e.token_ids for e in _drain(service)[rid]), []) == expected[0]
+    with pytest.raises(RequestError, match="stop_token_ids"):
+        service.submit([5, 6], {"stop_token_ids": [100000]})
+    with pytest.raises(RequestError, match="seed"):
+        service.submit([5, 6], {"seed": -5})
+
+
+def test_runtime_open_checks_threads_and_damaged_files(engine_dir, tmp_path):  # noqa: F811
+    import json
+    import shutil
+
+    from dspark_export.engines.manifest import Manifest
+    from dspark_export.errors import ConfigError, EngineDirError
+    from dspark_export.runtime.api import Runtime
+
+    for bad in (-1, 100000, 1.5):
+        with pytest.raises(ConfigError, match="threads"):
+            Runtime.open(engine_dir, threads=bad)
+    copy = tmp_path / "copy"
+    shutil.copytree(engine_dir, copy)
+    m = Manifest.load(copy)
+    spec = next(k.path for k in m.engine_keys() if k.graph == "verify")
+    m.replace_file(spec, b"{ garbage")
+    with pytest.raises(EngineDirError, match="unreadable engine file"):
+        Runtime.open(copy)
+    shutil.rmtree(copy)
+    shutil.copytree(engine_dir, copy)
+    m = Manifest.load(copy)
+    tok = next(rel for rel in m.data["files"] if rel.endswith("tokenizer.json"))
+    m.replace_file(tok, json.dumps({"version": "1.0"}).encode())
+    with pytest.raises(EngineDirError, match="could not load the tokenizer"):
+        Runtime.open(copy)

@@ -15,13 +15,15 @@
 // an embedded CPython interpreter, so the C++ and Python APIs run the same loop and give the same
 // tokens. Nothing Python appears in this header.
 //
-// Threading (docs/cpp.md): every method may be called from any thread, concurrently. One driver thread
-// per Runtime advances all of its requests (continuous batching: one packed target pass per step) and
-// delivers events. Callbacks run on that driver thread, in commit order, without the Python GIL held and
-// without any Runtime lock held: a callback may call Submit/Cancel/Stats, but a slow callback delays
-// every request of this Runtime. Submit and Cancel take the GIL briefly. The interpreter is started by the
-// first Runtime::Open of the process (or reused when the host process already runs Python) and lives until
-// the process exits.
+// Threading (docs/cpp.md): every method may be called from any thread, concurrently, Close included. One
+// driver thread per Runtime advances all of its requests (continuous batching: one packed target pass per
+// step) and delivers events. Callbacks run on that driver thread, in commit order, without the Python GIL
+// held and without any Runtime lock held: a callback may call Submit, Cancel, Stats or Close, and may even
+// destroy the Runtime; Generate from a callback is refused (kFailedPrecondition: it would wait for its own
+// thread); an exception thrown by a callback is caught and logged to stderr. A slow callback delays every
+// request of this Runtime. Submit and Cancel take the GIL briefly. The interpreter is started by the first
+// Runtime::Open of the process (or reused when the host process already runs Python; call in with the GIL
+// released, e.g. ctypes.CDLL, or Generate is refused) and lives until the process exits.
 //
 // Errors: no exception crosses this API; every call returns a Status (status.h). A request that fails
 // while running (an engine error) ends with an Event whose finish_reason is "error" and whose error
@@ -43,11 +45,11 @@ using RequestId = int64_t;
 
 struct SamplingParams {
   int64_t max_new_tokens = 128;  // generated tokens at most, in [1, 2^20]
-  float temperature = 0.0f;      // 0 = greedy; otherwise softmax(logits / temperature), finite, ≥ 0
+  float temperature = 0.0f;      // 0 (or below 1e-5) = greedy; otherwise softmax(logits / temperature), finite
   int64_t top_k = 0;             // keep the k most likely tokens; 0 = off
   float top_p = 1.0f;            // nucleus mass in (0, 1]; 1 = off
-  int64_t seed = -1;             // seeds the request's uniforms; -1 = random
-  std::vector<int64_t> stop_token_ids;  // extra stop ids on top of the engine's EOS ids
+  int64_t seed = -1;             // seeds the request's uniforms: same seed, prompt, params → same output; -1 = random
+  std::vector<int64_t> stop_token_ids;  // extra stop ids on top of the engine's EOS ids, each in [0, vocab)
 };
 
 struct GenerateRequest {
@@ -123,14 +125,18 @@ class Runtime {
   // Stop a request: it ends with finish_reason "cancelled" at the next step and its KV slot is freed.
   // Errors: kNotFound (unknown or already finished).
   Status Cancel(RequestId id);
-  // Pull API: waits up to `timeout` for the next event of a request submitted without a callback.
-  // Returns false on timeout, or when the runtime is closed and the queue is empty.
+  // Pull API: waits up to `timeout` for the next event of any request submitted without a callback (one
+  // queue per Runtime, shared by all such requests; Event::request_id says whose). Returns false on
+  // timeout, or when the runtime is closed and the queue is empty. milliseconds::max() waits without limit.
   bool NextEvent(Event* event, std::chrono::milliseconds timeout);
-  // Blocking convenience: submit and wait for the end. Errors as Submit.
+  // Blocking convenience: submit and wait for the end. Errors as Submit, plus kFailedPrecondition from a
+  // callback or with the Python GIL held by the caller.
   Status Generate(const GenerateRequest& request, GenerationResult* result);
   RuntimeStats Stats() const;
   // Stop the driver; requests still running end with finish_reason "cancelled" (error "runtime closed").
-  // Idempotent; called by the destructor.
+  // Idempotent and thread-safe (a second caller waits for the first); from a callback it returns at once
+  // and the close completes when the callback returns. Called by the destructor. After Close, Submit,
+  // Generate and Cancel return kFailedPrecondition and Stats returns the final counters.
   void Close();
 
  private:

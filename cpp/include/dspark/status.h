@@ -29,7 +29,8 @@ class Status {
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
   const std::string& message() const { return message_; }
-  // "INVALID_ARGUMENT: temperature: expected a finite value >= 0, found -1.0"
+  // "INVALID_ARGUMENT: RequestError: temperature: expected a finite value >= 0, found -1.0" (errors from the
+  // hosted Python runtime carry its exception type; native ones do not)
   std::string ToString() const;
 
  private:
