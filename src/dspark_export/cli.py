@@ -1,4 +1,4 @@
-"""Command line: `dspark-export build | generate | profile | inspect`.
+"""Command line: `dspark-export build | generate | bench | profile | report | inspect`.
 
 Each command parses arguments and calls one stage function; errors print one line (the full trace
 with --verbose) and exit non-zero.
@@ -31,6 +31,11 @@ GENERATE_EXAMPLES = """examples:
 PROFILE_EXAMPLES = """examples:
   dspark-export profile --engine-dir engines/smollm2 --context 512 --repeats 20
 """
+REPORT_EXAMPLES = """examples:
+  dspark-export report engines/smollm2                            # (re)writes engines/smollm2/report/index.html
+  dspark-export report engines/smollm2 --out /tmp/smollm2-report --acceptance reports/acceptance/acceptance.json \\
+      --serve reports/serve/serve_bench.json --peers peers.json
+"""
 INSPECT_EXAMPLES = """examples:
   dspark-export inspect engines/smollm2                           # summary; exit 2 if a file is altered or unlisted
   dspark-export inspect engines/smollm2 --json
@@ -47,7 +52,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.",
-                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + INSPECT_EXAMPLES,
+                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + REPORT_EXAMPLES + INSPECT_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -102,6 +107,18 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--context", type=int, default=128, help="past length in tokens (128)")
     pr.add_argument("--repeats", type=int, default=10, help="timed runs per bucket (10)")
 
+    rp = sub.add_parser("report", help="HTML report of an engine directory (engines, SPS(B), calibration, benchmarks)",
+                        epilog=REPORT_EXAMPLES, formatter_class=fmt)
+    rp.add_argument("dir", type=Path, help="an engine directory made by `build`")
+    rp.add_argument("--out", type=Path, default=None,
+                    help="output folder (default <dir>/report, listed in the manifest; a folder outside the engine "
+                         "directory leaves it untouched)")
+    rp.add_argument("--acceptance", type=Path, help="a `bench acceptance` result JSON to include")
+    rp.add_argument("--serve", type=Path, help="a `bench serve` result JSON to include")
+    rp.add_argument("--peers", type=Path, help="a `bench peers` result JSON to include")
+    rp.add_argument("--calibration", type=Path,
+                    help="a calibration.json to show (default: the one the engine directory records)")
+
     i = sub.add_parser("inspect", help="summarise and verify an engine directory; check its graphs against TensorRT",
                        epilog=INSPECT_EXAMPLES, formatter_class=fmt)
     i.add_argument("dir", type=Path, help="an engine directory made by `build`")
@@ -134,7 +151,9 @@ def cmd_build(args) -> int:
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,
                       "seconds": {k: round(v, 2) for k, v in result.seconds.items()},
                       "sps": {row["B"]: row["sps"] for row in result.profile["target"]},
-                      "warnings": result.profile["warnings"]}))
+                      "warnings": result.profile["warnings"],
+                      "report": str(result.out / "report" / "index.html")
+                      if (result.out / "report" / "index.html").is_file() else None}))
     return 0
 
 
@@ -229,6 +248,23 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .report import ReportInputs, load_json_input, write_report
+
+    inputs = ReportInputs(
+        acceptance=load_json_input(args.acceptance, "--acceptance", ("datasets", "block_size")) if args.acceptance else None,
+        serve=load_json_input(args.serve, "--serve", ("results",)) if args.serve else None,
+        peers=load_json_input(args.peers, "--peers", ("results",)) if args.peers else None,
+        calibration=load_json_input(args.calibration, "--calibration", ("confidence_temperature",))
+        if args.calibration else None,
+        calibration_source=str(args.calibration) if args.calibration else None)
+    _progress(f"rendering the report of {args.dir}")
+    path = write_report(args.dir, args.out, inputs)
+    _progress(f"wrote {path}")
+    print(json.dumps({"html": str(path), "files": sorted(p.name for p in path.parent.iterdir())}))
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from .engines.inspect import inspect_engine_dir
 
@@ -251,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile, "bench": cmd_bench,
-                "inspect": cmd_inspect}[args.command](args)
+                "inspect": cmd_inspect, "report": cmd_report}[args.command](args)
     except DsparkExportError as e:
         if args.verbose:
             raise
