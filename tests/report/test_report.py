@@ -221,3 +221,16 @@ def test_screenshot_in_headless_chromium(engine_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     w, h = screenshot_report.png_size(shot.read_bytes())
     assert w == 1280 and 500 < h <= 3000
+
+
+def test_inspect_shows_the_calibration_and_report(engine_dir, capsys):
+    assert cli_main(["inspect", str(engine_dir), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    cal = json.loads((engine_dir / "drafter" / "calibration.json").read_text())
+    assert d["calibration"]["path"] == "drafter/calibration.json" and d["calibration"]["reliability_bins"] is True
+    assert d["calibration"]["temperatures"] == cal["confidence_temperature"] and d["calibration"]["calibrated"]
+    assert d["calibration"]["ece_after"] == cal["ece_after"]
+    assert d["report"]["path"] == "report/index.html"
+    assert cli_main(["inspect", str(engine_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "calibration  STS temperatures" in text and "drafter/calibration.json (sts, 4000 rounds; mean ECE" in text
