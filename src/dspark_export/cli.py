@@ -1,4 +1,4 @@
-"""Command line: `dspark-export build | generate | bench | profile | report | inspect`.
+"""Command line: `dspark-export build | generate | bench | profile | report | export-profile | inspect`.
 
 Each command parses arguments and calls one stage function; errors print one line (the full trace
 with --verbose) and exit non-zero.
@@ -36,6 +36,13 @@ REPORT_EXAMPLES = """examples:
   dspark-export report engines/smollm2 --out /tmp/smollm2-report --acceptance reports/acceptance/acceptance.json \\
       --serve reports/serve/serve_bench.json --peers peers.json
 """
+EXPORT_PROFILE_EXAMPLES = """examples:
+  dspark-export export-profile engines/smollm2 --format sglang --out profile-sglang   # SPS table + STS json
+  dspark-export export-profile engines/smollm2 --format trtllm --out profile-trtllm   # cost table + calibration
+  dspark-export export-profile engines/smollm2 --format generic --out profile         # labelled JSON + CSV
+formats: sglang and trtllm follow those projects' loader source (see docs/ARCHITECTURE.md); vllm has no
+documented profile file (it profiles its own CUDA graphs at startup), so --format vllm explains and exits 2.
+"""
 INSPECT_EXAMPLES = """examples:
   dspark-export inspect engines/smollm2                           # summary; exit 2 if a file is altered or unlisted
   dspark-export inspect engines/smollm2 --json
@@ -52,7 +59,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.",
-                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + REPORT_EXAMPLES + INSPECT_EXAMPLES,
+                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + REPORT_EXAMPLES
+                                + EXPORT_PROFILE_EXAMPLES + INSPECT_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -118,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--peers", type=Path, help="a `bench peers` result JSON to include")
     rp.add_argument("--calibration", type=Path,
                     help="a calibration.json to show (default: the one the engine directory records)")
+
+    ep = sub.add_parser("export-profile", help="write SPS(B) and STS calibration for SGLang / TensorRT-LLM (or generic)",
+                        epilog=EXPORT_PROFILE_EXAMPLES, formatter_class=fmt)
+    ep.add_argument("dir", type=Path, help="an engine directory made by `build`")
+    ep.add_argument("--format", required=True, choices=("sglang", "trtllm", "generic", "vllm"),
+                    help="target file format")
+    ep.add_argument("--out", required=True, type=Path, help="folder to write the files into (created)")
 
     i = sub.add_parser("inspect", help="summarise and verify an engine directory; check its graphs against TensorRT",
                        epilog=INSPECT_EXAMPLES, formatter_class=fmt)
@@ -265,6 +280,18 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export_profile(args) -> int:
+    from .engines.export_profile import export_profile
+
+    result = export_profile(args.dir, args.format, args.out)
+    for flag, path in result["flags"].items():
+        _progress(f"{flag} {path}")
+    for note in result["notes"]:
+        _progress(f"note: {note}")
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from .engines.inspect import inspect_engine_dir
 
@@ -287,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile, "bench": cmd_bench,
-                "inspect": cmd_inspect, "report": cmd_report}[args.command](args)
+                "inspect": cmd_inspect, "report": cmd_report,
+                "export-profile": cmd_export_profile}[args.command](args)
     except DsparkExportError as e:
         if args.verbose:
             raise
