@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from .bench import acceptance_cli, serve_cli
+    from .bench import acceptance_cli, peers_cli, serve_cli
 
     bs = bench.add_parser("serve", help="closed-loop serving benchmark (throughput vs per-user tokens/s)",
                           epilog=serve_cli.EXAMPLES, formatter_class=fmt)
@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     ba = bench.add_parser("acceptance", help="offline acceptance length τ per dataset (paper Table 1, Fig. 2)",
                           epilog=acceptance_cli.EXAMPLES, formatter_class=fmt)
     acceptance_cli.add_arguments(ba)
+    bp = bench.add_parser("peers", help="single-user tokens/s vs onnxruntime-genai and transformers (same prompts, one run)",
+                          epilog=peers_cli.EXAMPLES, formatter_class=fmt)
+    peers_cli.add_arguments(bp)
 
     pr = sub.add_parser("profile", help="re-measure the SPS(B) table of an engine directory",
                         epilog=PROFILE_EXAMPLES, formatter_class=fmt)
@@ -247,9 +250,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import acceptance_cli, serve_cli
+    from .bench import acceptance_cli, peers_cli, serve_cli
 
-    module = {"serve": serve_cli, "acceptance": acceptance_cli}[args.bench]
+    module = {"serve": serve_cli, "acceptance": acceptance_cli, "peers": peers_cli}[args.bench]
     print(module.run(args, _progress))
     return 0
 

@@ -138,7 +138,9 @@ def test_cli_report_regenerates_in_place_with_benchmarks(copy_dir, tmp_path, cap
          "mean_verify_len": 1.0, "acceptance_length": 1.2, "mean_step_ms": 5.0, "scheduler_ms": 0.01,
          "identical": True} for p in ("ar", "dspark") for c in (1, 2)]}))
     peers = tmp_path / "peers.json"
-    peers.write_text(json.dumps({"config": {"prompts": ["a"], "max_new_tokens": 8}, "results": [
+    peers.write_text(json.dumps({"config": {"prompts": ["a"], "max_new_tokens": 8},
+                                 "best_dspark": {"policy": "dspark", "tokens_per_s": 30.0, "ratio_to_ar": 1.5},
+                                 "dspark_speedup_over": {"onnxruntime-genai": None}, "results": [
         {"system": "dspark-export ar", "tokens_per_s": 20.0, "ratio_to_ar": 1.0, "tokens": 8},
         {"system": "dspark-export dspark", "tokens_per_s": 30.0, "ratio_to_ar": 1.5, "tokens": 8},
         {"system": "onnxruntime-genai", "tokens_per_s": None, "ratio_to_ar": None, "skipped": "not installed"}]}))
@@ -150,7 +152,7 @@ def test_cli_report_regenerates_in_place_with_benchmarks(copy_dir, tmp_path, cap
     assert (copy_dir / "report" / "report.json").read_bytes() != before
     inspect_engine_dir(copy_dir)  # re-sealed: still intact, nothing unlisted
     html = (copy_dir / "report" / "index.html").read_text()
-    assert len(_images(html)) == 8 and "math500" in html and "not installed" in html and "×1.50" in html
+    assert len(_images(html)) == 8 and "math500" in html and "not installed" in html and "×1.50 our ar" in html
     assert {"acceptance.png", "serve.png", "peers.png"} <= {p.name for p in (copy_dir / "report").iterdir()}
     assert not [p for p in copy_dir.iterdir() if p.name.startswith(".")]  # no temp folders left
 

@@ -209,7 +209,7 @@ def peers_figure(result: dict) -> bytes:
     ax = fig.add_subplot()
     ys = np.arange(len(rows))[::-1]
     ax.barh(ys, [r["tokens_per_s"] for r in rows],
-            color=["tab:blue" if r["system"].startswith("dspark-export") else "tab:gray" for r in rows])
+            color=["tab:blue" if r["system"].startswith(("dspark-export", "DSpark")) else "tab:gray" for r in rows])
     for y, r in zip(ys, rows):
         ratio = r.get("ratio_to_ar")
         ax.annotate(f"{r['tokens_per_s']:.1f}" + (f"  (×{ratio:.2f} ar)" if ratio else ""), (r["tokens_per_s"], y),
