@@ -28,6 +28,11 @@ GENERATE_EXAMPLES = """examples:
   dspark-export generate --engine-dir engines/smollm2 --prompts-file prompts.jsonl --chat --json --policy fixed:7
   dspark-export generate --engine-dir engines/smollm2 --prompt "Once upon" --temperature 0.8 --seed 1
 """
+BENCH_EXAMPLES = """examples:
+  dspark-export bench serve --engine-dir engines/smollm2 --concurrency 1,4 --json serve.json
+  dspark-export bench acceptance --engine-dir engines/smollm2 --samples 20 --out-dir reports/acceptance
+  dspark-export bench peers --engine-dir engines/smollm2 --max-new-tokens 64 --json peers.json
+"""
 PROFILE_EXAMPLES = """examples:
   dspark-export profile --engine-dir engines/smollm2 --context 512 --repeats 20
 """
@@ -59,7 +64,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.",
-                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + REPORT_EXAMPLES
+                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + BENCH_EXAMPLES + PROFILE_EXAMPLES + REPORT_EXAMPLES
                                 + EXPORT_PROFILE_EXAMPLES + INSPECT_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
@@ -99,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: serve, acceptance, peers", epilog=BENCH_EXAMPLES,
+                           formatter_class=fmt).add_subparsers(dest="bench", required=True)
     from .bench import acceptance_cli, peers_cli, serve_cli
 
     bs = bench.add_parser("serve", help="closed-loop serving benchmark (throughput vs per-user tokens/s)",
