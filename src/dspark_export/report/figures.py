@@ -114,16 +114,20 @@ def reliability_figure(reliability: dict) -> bytes:
     fig = _figure(2.7 * cols, 2.7 * rows)
     axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)).ravel()
     for ax, pos in zip(axes, positions):
-        for label, style in (("raw", "o--"), ("sts", "s-")):
+        for label, style, color in (("raw", "--", "tab:gray"), ("sts", "-", "tab:blue")):
             curve = pos.get(label)
             if not curve:
                 continue
             keep = [i for i, n in enumerate(curve["count"]) if n >= MIN_BIN_COUNT]
-            ax.plot([curve["predicted"][i] for i in keep], [curve["observed"][i] for i in keep], style, ms=3,
+            xs, ys = [curve["predicted"][i] for i in keep], [curve["observed"][i] for i in keep]
+            counts = np.array([curve["count"][i] for i in keep], float)
+            ax.plot(xs, ys, style, lw=0.9, color=color,
                     label=f"{'T=1' if label == 'raw' else 'STS'} (ECE {curve['ece']:.3f})")
+            if len(counts):  # marker area ∝ rounds in the bin: sparse bins look sparse
+                ax.scatter(xs, ys, s=4 + 60 * np.sqrt(counts / counts.sum()), color=color, zorder=3)
         ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
         ax.set_title(f"position {pos['position']}", fontsize=9)
-        ax.legend(fontsize=6, loc="upper left")
+        ax.legend(fontsize=6, loc="lower right")
         ax.grid(True, alpha=0.3)
     for ax in axes[len(positions):]:
         ax.set_visible(False)
@@ -131,8 +135,8 @@ def reliability_figure(reliability: dict) -> bytes:
         ax.set_ylabel("observed survival")
     for ax in axes[(rows - 1) * cols:]:
         ax.set_xlabel("predicted survival")
-    fig.suptitle(f"Reliability diagram ({reliability['rounds']} rounds, {reliability['bins']} bins; bins with "
-                 f"< {MIN_BIN_COUNT} rounds omitted)", fontsize=9)
+    fig.suptitle(f"Reliability diagram ({reliability['rounds']} rounds, {reliability['bins']} bins; marker area ∝ "
+                 f"rounds in the bin; bins with < {MIN_BIN_COUNT} rounds omitted)", fontsize=9)
     return _png(fig)
 
 
