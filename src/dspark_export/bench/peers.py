@@ -13,9 +13,11 @@ Systems (each skipped with a reason when it cannot run here):
 - ``transformers-pld``: the same with prompt-lookup decoding (``prompt_lookup_num_tokens``).
 
 Every system gets the same token ids (the engine directory's tokenizer, chat template when `chat`), one
-prompt at a time, `max_new_tokens` at most and stops at the model's EOS. Per prompt the wall time of the whole
-call (prefill included) is measured with `time.perf_counter`; ``tokens_per_s`` = Σ generated tokens / Σ wall
-time. Each system first runs one unmeasured short generation (loading and lazy initialisation excluded).
+prompt at a time, `max_new_tokens` at most and stops at the model's EOS. All systems are loaded and warmed up
+first (one unmeasured short generation each), then timed interleaved: prompt 1 on every system, then prompt 2,
+..., so a change in machine load during the run falls on every system alike. Per prompt the wall time of the
+whole call (prefill included) is measured with `time.perf_counter`; ``tokens_per_s`` = Σ generated tokens /
+Σ wall time.
 ``identical_to_ar`` says whether its tokens equal dspark-export ``ar``'s (fp32 on different kernels can
 legitimately differ in near-ties; dspark-export's own policies must be identical).
 """
@@ -131,31 +133,28 @@ class _Run:
                 "identical_to_ar": identical, **extra}
 
 
-def _timed(fn: Callable[[list[int], int], list[int]], prompts: list[list[int]], max_new: int,
-           tick: Callable[[], None]) -> _Run:
-    run = _Run()
-    for ids in prompts:
-        t0 = time.perf_counter()
-        out = fn(ids, max_new)
-        run.wall_s.append(time.perf_counter() - t0)
-        run.tokens.append(list(out))
-        tick()
-    return run
-
-
 # -- systems ---------------------------------------------------------------------------------------------
 
 def _ours(rt, policy: str):
+    from ..runtime.generator import Generator
+    from ..runtime.policies import parse_policy
     from ..runtime.request import SamplingParams
 
-    rt.set_policy(policy)
+    gen = Generator(rt.engines, parse_policy(policy))  # one per policy: systems are interleaved per prompt
 
     def generate(ids: list[int], max_new: int) -> list[int]:
-        [r] = rt.generate_ids([ids], [SamplingParams(max_new_tokens=max_new)])
+        [r] = gen.generate([ids], [SamplingParams(max_new_tokens=max_new)])
         if r.finish_reason == "error":
             raise RequestError(f"bench peers: dspark-export {policy}: {r.error}")
         return r.token_ids
     return generate
+
+
+def _shared_transformers(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 def _hf_folder(cfg: PeersBenchConfig, manifest_source: dict) -> tuple[Path | None, str | None]:
@@ -169,11 +168,9 @@ def _hf_folder(cfg: PeersBenchConfig, manifest_source: dict) -> tuple[Path | Non
     return folder, None
 
 
-def _transformers(folder: Path, eos: list[int], lookup: int | None):
+def _transformers(model, eos: list[int], lookup: int | None):
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
 
     def generate(ids: list[int], max_new: int) -> list[int]:
@@ -257,56 +254,70 @@ def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | Non
     hf, hf_reason = _hf_folder(cfg, manifest.data.get("source", {}))
 
     plan: list[tuple[str, str | None]] = []  # (system, policy)
-    for s in cfg.systems:
-        if s == "dspark":
+    for sname in cfg.systems:
+        if sname == "dspark":
             plan += [("dspark", p) for p in cfg.policies]
         else:
-            plan.append((s, None))
-    bar = tqdm(total=len(plan) * len(prompts), desc="bench peers", unit="gen", file=sys.stderr,
-               disable=None)
-    tick = lambda: bar.update(1)  # noqa: E731
-    results, runs = [], {}
-    ar_run = None
-    try:
-        for system, policy in plan:
-            label = f"dspark-export {policy}" if policy else ("dspark-export ar" if system == "ar" else system)
-            bar.set_postfix_str(label)
-            reason, fn, extra = None, None, {}
-            if system in ("ar", "dspark"):
-                fn = _ours(rt, policy or "ar")
-                extra = {"policy": policy or "ar"}
-            elif system == "onnxruntime-genai":
-                if importlib.util.find_spec("onnxruntime_genai") is None:
-                    reason = "onnxruntime-genai is not installed (pip install 'dspark-export[peers]')"
-                else:
-                    path, reason = _ortgenai_model(cfg, hf, say)
-                    if path is not None:
-                        fn, extra = _ortgenai(path), {"model": str(path), "precision": "fp32",
-                                                                          "provider": "cpu"}
+            plan.append((sname, None))
+
+    # load every system first, then time them interleaved per prompt (prompt 1 on every system, then prompt 2,
+    # ...), so a change in machine load during the run falls on all systems alike
+    systems, skipped, hf_model = [], {}, None
+    for system, policy in plan:
+        label = f"dspark-export {policy}" if policy else ("dspark-export ar" if system == "ar" else system)
+        reason, fn, extra = None, None, {}
+        if system in ("ar", "dspark"):
+            fn, extra = _ours(rt, policy or "ar"), {"policy": policy or "ar"}
+        elif system == "onnxruntime-genai":
+            if importlib.util.find_spec("onnxruntime_genai") is None:
+                reason = "onnxruntime-genai is not installed (pip install 'dspark-export[peers]')"
             else:
-                reason = hf_reason
-                if hf is not None:
-                    lookup = cfg.prompt_lookup_tokens if system == "transformers-pld" else None
-                    fn = _transformers(hf, eos, lookup)
-                    extra = {"model": str(hf), "dtype": "float32", "torch_threads": _torch_threads(),
-                             **({"prompt_lookup_num_tokens": lookup} if lookup else {})}
-            if fn is None:
-                say(f"[{label}] skipped: {reason}")
-                results.append({"system": label, "skipped": reason, "tokens_per_s": None, "ratio_to_ar": None})
-                bar.update(len(prompts))
-                continue
+                path, reason = _ortgenai_model(cfg, hf, say)
+                if path is not None:
+                    fn, extra = _ortgenai(path), {"model": str(path), "precision": "fp32", "provider": "cpu"}
+        else:
+            reason = hf_reason
+            if hf is not None:
+                if hf_model is None:  # transformers and transformers-pld share one model
+                    say(f"[{label}] loading {hf}")
+                    hf_model = _shared_transformers(hf)
+                lookup = cfg.prompt_lookup_tokens if system == "transformers-pld" else None
+                fn = _transformers(hf_model, eos, lookup)
+                extra = {"model": str(hf), "dtype": "float32", "torch_threads": _torch_threads(),
+                         **({"prompt_lookup_num_tokens": lookup} if lookup else {})}
+        if fn is None:
+            say(f"[{label}] skipped: {reason}")
+            skipped[label] = reason
+        else:
             if cfg.warmup:
                 fn(prompts[0], WARMUP_TOKENS)
-            run = _timed(fn, prompts, cfg.max_new_tokens, tick)
-            runs[label] = run
-            if system == "ar":
-                ar_run = run
-            row = run.row(label, None if system == "ar" else ar_run, **extra)
-            results.append(row)
-            say(f"[{label}] {row['tokens_per_s']} tokens/s ({row['tokens']} tokens in {row['wall_s']:.2f} s), "
-                f"identical to ar: {row['identical_to_ar']}")
+            systems.append((label, fn, extra))
+
+    runs = {label: _Run() for label, _, _ in systems}
+    bar = tqdm(total=len(systems) * len(prompts), desc="bench peers", unit="gen", file=sys.stderr, disable=None)
+    try:
+        for ids in prompts:
+            for label, fn, _ in systems:
+                bar.set_postfix_str(label)
+                t0 = time.perf_counter()
+                out = fn(ids, cfg.max_new_tokens)
+                runs[label].wall_s.append(time.perf_counter() - t0)
+                runs[label].tokens.append(list(out))
+                bar.update(1)
     finally:
         bar.close()
+    ar_run = runs["dspark-export ar"]
+    results = []
+    for system, policy in plan:
+        label = f"dspark-export {policy}" if policy else ("dspark-export ar" if system == "ar" else system)
+        if label in skipped:
+            results.append({"system": label, "skipped": skipped[label], "tokens_per_s": None, "ratio_to_ar": None})
+            continue
+        extra = next(e for lbl, _, e in systems if lbl == label)
+        row = runs[label].row(label, None if label == "dspark-export ar" else ar_run, **extra)
+        results.append(row)
+        say(f"[{label}] {row['tokens_per_s']} tokens/s ({row['tokens']} tokens in {row['wall_s']:.2f} s), "
+            f"identical to ar: {row['identical_to_ar']}")
     ar_tps = next(r["tokens_per_s"] for r in results if r["system"] == "dspark-export ar")
     for r in results:
         r["ratio_to_ar"] = round(r["tokens_per_s"] / ar_tps, 3) if r.get("tokens_per_s") and ar_tps else None
