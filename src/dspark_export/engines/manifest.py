@@ -3,7 +3,9 @@
 Schema versions (bump when a field's meaning changes):
     1: first version. Graphs under graphs/, ORT engine specs under engines/onnxruntime/, the
        throughput profile at profile/sps.json, tokenizer files under tokenizer/. Every file is
-       listed in `files` with its size in bytes and sha256.
+       listed in `files` with its size in bytes and sha256. Optional sections (readers must not require
+       them): `calibration` {"path": "drafter/calibration.json", "method"} and `report` {"path":
+       "report/index.html", "data", "generated_unix"}, whose files are listed like every other file.
 
 The manifest is written last and atomically (temp file, fsync, rename): a directory without a
 valid manifest is not an engine directory, so an interrupted build never looks complete.
