@@ -111,7 +111,8 @@ def cmd_calibrate(args, say):
     import numpy as np
 
     from dspark_export.modeling.checkpoint import load_drafter
-    from dspark_export.training.calibration import fit_sts, reliability_diagram, replay_rounds, write_calibration
+    from dspark_export.training.calibration import (fit_sts, reliability_bins, reliability_diagram, replay_rounds,
+                                                    write_calibration)
     from dspark_export.training.features import FeatureCache
 
     _, target = _target(args)
@@ -133,7 +134,8 @@ def cmd_calibrate(args, say):
     if drafter.confidence_head is not None:
         fit = fit_sts(rounds)
         summary["sts"] = fit
-        write_calibration(run / "drafter", fit, {"fitted_on": "calibration split, greedy offline rounds"})
+        write_calibration(run / "drafter", fit, {"fitted_on": "calibration split, greedy offline rounds",
+                                                 "reliability": reliability_bins(rounds, fit["confidence_temperature"])})
         reliability_diagram(rounds, fit["confidence_temperature"], out / "reliability.png")
         say(f"STS temperatures {fit['confidence_temperature']}; ECE {fit['mean_ece_before']:.4f} → "
             f"{fit['mean_ece_after']:.4f}")

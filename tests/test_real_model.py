@@ -60,3 +60,22 @@ def test_build_and_greedy_identity(default_engine_dir, tmp_path, capsys):
         assert a["finish_reason"] in ("stop", "length") and a["token_ids"], a
         assert s["token_ids"] == a["token_ids"], (a["text"], s["text"])
         assert s["stats"]["rounds"] >= 1
+
+
+def test_report_inspect_and_peers(default_engine_dir, tmp_path, capsys):
+    """The build's report is listed and intact; `bench peers` runs every installed peer on the same prompt."""
+    from dspark_export.engines.inspect import inspect_engine_dir
+
+    report = inspect_engine_dir(default_engine_dir).summary
+    assert report["report"]["path"] == "report/index.html"
+    assert report["calibration"]["calibrated"] and report["calibration"]["path"] == "drafter/calibration.json"
+    html = (default_engine_dir / "report" / "index.html").read_text()
+    assert html.count('<img src="data:image/png;base64,') == 5  # latency, SPS, drafter, ECE, reliability
+    out = tmp_path / "peers.json"
+    capsys.readouterr()
+    assert cli_main(["bench", "peers", "--engine-dir", str(default_engine_dir), "--prompt", _prompts()[0],
+                     "--max-new-tokens", "16", "--policies", "dspark", "--json", str(out)]) == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["dspark-export dspark"]["identical_to_ar"] is True
+    for name in ("onnxruntime-genai", "transformers", "transformers-pld"):
+        assert rows[name].get("skipped") or rows[name]["tokens_per_s"] > 0, rows[name]

@@ -1,4 +1,4 @@
-"""Command line: `dspark-export build | generate | profile | inspect | bench | trt`.
+"""Command line: `dspark-export build | generate | bench | profile | report | export-profile | inspect | trt`.
 
 Each command parses arguments and calls one stage function; errors print one line (the full trace
 with --verbose) and exit non-zero.
@@ -28,8 +28,25 @@ GENERATE_EXAMPLES = """examples:
   dspark-export generate --engine-dir engines/smollm2 --prompts-file prompts.jsonl --chat --json --policy fixed:7
   dspark-export generate --engine-dir engines/smollm2 --prompt "Once upon" --temperature 0.8 --seed 1
 """
+BENCH_EXAMPLES = """examples:
+  dspark-export bench serve --engine-dir engines/smollm2 --concurrency 1,4 --json serve.json
+  dspark-export bench acceptance --engine-dir engines/smollm2 --samples 20 --out-dir reports/acceptance
+  dspark-export bench peers --engine-dir engines/smollm2 --max-new-tokens 64 --json peers.json
+"""
 PROFILE_EXAMPLES = """examples:
   dspark-export profile --engine-dir engines/smollm2 --context 512 --repeats 20
+"""
+REPORT_EXAMPLES = """examples:
+  dspark-export report engines/smollm2                            # (re)writes engines/smollm2/report/index.html
+  dspark-export report engines/smollm2 --out /tmp/smollm2-report --acceptance reports/acceptance/acceptance.json \\
+      --serve reports/serve/serve_bench.json --peers peers.json
+"""
+EXPORT_PROFILE_EXAMPLES = """examples:
+  dspark-export export-profile engines/smollm2 --format sglang --out profile-sglang   # SPS table + STS json
+  dspark-export export-profile engines/smollm2 --format trtllm --out profile-trtllm   # cost table + calibration
+  dspark-export export-profile engines/smollm2 --format generic --out profile         # labelled JSON + CSV
+formats: sglang and trtllm follow those projects' loader source (see docs/ARCHITECTURE.md); vllm has no
+documented profile file (it profiles its own CUDA graphs at startup), so --format vllm explains and exits 2.
 """
 INSPECT_EXAMPLES = """examples:
   dspark-export inspect engines/smollm2                           # summary; exit 2 if a file is altered or unlisted
@@ -53,7 +70,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.",
-                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + INSPECT_EXAMPLES + TRT_EXAMPLES,
+                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + BENCH_EXAMPLES + PROFILE_EXAMPLES + REPORT_EXAMPLES
+                                + EXPORT_PROFILE_EXAMPLES + INSPECT_EXAMPLES + TRT_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -96,8 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
                    help="engines to run: onnxruntime (default) or tensorrt (added by `dspark-export trt build`)")
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from .bench import acceptance_cli, serve_cli
+    bench = sub.add_parser("bench", help="benchmarks: serve, acceptance, peers", epilog=BENCH_EXAMPLES,
+                           formatter_class=fmt).add_subparsers(dest="bench", required=True)
+    from .bench import acceptance_cli, peers_cli, serve_cli
 
     bs = bench.add_parser("serve", help="closed-loop serving benchmark (throughput vs per-user tokens/s)",
                           epilog=serve_cli.EXAMPLES, formatter_class=fmt)
@@ -105,12 +124,34 @@ def _parser() -> argparse.ArgumentParser:
     ba = bench.add_parser("acceptance", help="offline acceptance length τ per dataset (paper Table 1, Fig. 2)",
                           epilog=acceptance_cli.EXAMPLES, formatter_class=fmt)
     acceptance_cli.add_arguments(ba)
+    bp = bench.add_parser("peers", help="single-user tokens/s vs onnxruntime-genai and transformers (same prompts, one run)",
+                          epilog=peers_cli.EXAMPLES, formatter_class=fmt)
+    peers_cli.add_arguments(bp)
 
     pr = sub.add_parser("profile", help="re-measure the SPS(B) table of an engine directory",
                         epilog=PROFILE_EXAMPLES, formatter_class=fmt)
     pr.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
     pr.add_argument("--context", type=int, default=128, help="past length in tokens (128)")
     pr.add_argument("--repeats", type=int, default=10, help="timed runs per bucket (10)")
+
+    rp = sub.add_parser("report", help="HTML report of an engine directory (engines, SPS(B), calibration, benchmarks)",
+                        epilog=REPORT_EXAMPLES, formatter_class=fmt)
+    rp.add_argument("dir", type=Path, help="an engine directory made by `build`")
+    rp.add_argument("--out", type=Path, default=None,
+                    help="output folder (default <dir>/report, listed in the manifest; a folder outside the engine "
+                         "directory leaves it untouched)")
+    rp.add_argument("--acceptance", type=Path, help="a `bench acceptance` result JSON to include")
+    rp.add_argument("--serve", type=Path, help="a `bench serve` result JSON to include")
+    rp.add_argument("--peers", type=Path, help="a `bench peers` result JSON to include")
+    rp.add_argument("--calibration", type=Path,
+                    help="a calibration.json to show (default: the one the engine directory records)")
+
+    ep = sub.add_parser("export-profile", help="write SPS(B) and STS calibration for SGLang / TensorRT-LLM (or generic)",
+                        epilog=EXPORT_PROFILE_EXAMPLES, formatter_class=fmt)
+    ep.add_argument("dir", type=Path, help="an engine directory made by `build`")
+    ep.add_argument("--format", required=True, choices=("sglang", "trtllm", "generic", "vllm"),
+                    help="target file format")
+    ep.add_argument("--out", required=True, type=Path, help="folder to write the files into (created)")
 
     i = sub.add_parser("inspect", help="summarise and verify an engine directory; check its graphs against TensorRT",
                        epilog=INSPECT_EXAMPLES, formatter_class=fmt)
@@ -168,7 +209,9 @@ def cmd_build(args) -> int:
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,
                       "seconds": {k: round(v, 2) for k, v in result.seconds.items()},
                       "sps": {row["B"]: row["sps"] for row in result.profile["target"]},
-                      "warnings": result.profile["warnings"]}))
+                      "warnings": result.profile["warnings"],
+                      "report": str(result.out / "report" / "index.html")
+                      if (result.out / "report" / "index.html").is_file() else None}))
     return 0
 
 
@@ -247,9 +290,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import acceptance_cli, serve_cli
+    from .bench import acceptance_cli, peers_cli, serve_cli
 
-    module = {"serve": serve_cli, "acceptance": acceptance_cli}[args.bench]
+    module = {"serve": serve_cli, "acceptance": acceptance_cli, "peers": peers_cli}[args.bench]
     print(module.run(args, _progress))
     return 0
 
@@ -260,6 +303,35 @@ def cmd_profile(args) -> int:
     sps = reprofile(args.engine_dir, args.context, args.repeats, progress=_progress)
     print(json.dumps({"context_len": sps["context_len"], "sps": {row["B"]: row["sps"] for row in sps["target"]},
                       "warnings": sps["warnings"]}))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import ReportInputs, load_json_input, write_report
+
+    inputs = ReportInputs(
+        acceptance=load_json_input(args.acceptance, "--acceptance", ("datasets", "block_size")) if args.acceptance else None,
+        serve=load_json_input(args.serve, "--serve", ("results",)) if args.serve else None,
+        peers=load_json_input(args.peers, "--peers", ("results",)) if args.peers else None,
+        calibration=load_json_input(args.calibration, "--calibration", ("confidence_temperature",))
+        if args.calibration else None,
+        calibration_source=str(args.calibration) if args.calibration else None)
+    _progress(f"rendering the report of {args.dir}")
+    path = write_report(args.dir, args.out, inputs)
+    _progress(f"wrote {path}")
+    print(json.dumps({"html": str(path), "files": sorted(p.name for p in path.parent.iterdir())}))
+    return 0
+
+
+def cmd_export_profile(args) -> int:
+    from .engines.export_profile import export_profile
+
+    result = export_profile(args.dir, args.format, args.out)
+    for flag, path in result["flags"].items():
+        _progress(f"{flag} {path}")
+    for note in result["notes"]:
+        _progress(f"note: {note}")
+    print(json.dumps(result))
     return 0
 
 
@@ -309,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile, "bench": cmd_bench,
-                "inspect": cmd_inspect, "trt": cmd_trt}[args.command](args)
+                "inspect": cmd_inspect, "report": cmd_report,
+                "export-profile": cmd_export_profile, "trt": cmd_trt}[args.command](args)
     except DsparkExportError as e:
         if args.verbose:
             raise

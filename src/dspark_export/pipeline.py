@@ -206,6 +206,7 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
     _write_engines(manifest, cfg)
     inputs.save_tokenizer(root / "tokenizer")
+    _copy_calibration(inputs.drafter_source, manifest)
     manifest.record_files(_all_files(root))  # before profiling: EngineSet verifies what it loads
     t0 = time.perf_counter()
     engines = EngineSet(manifest)
@@ -221,8 +222,43 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     manifest.data["build"] = {"seconds": {k: round(v, 2) for k, v in seconds.items()}}
     manifest.record_files(["profile/sps.json"])  # everything else was hashed before profiling and is unchanged
     manifest.save()
+    say("writing report/index.html")
+    _write_report(manifest)
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     return BuildResult(root, root / "manifest.json", seconds, profile, size)
+
+
+#: where `build` keeps a copy of the drafter's calibration.json (STS temperatures, ECE, reliability bins)
+CALIBRATION_PATH = "drafter/calibration.json"
+
+
+def _copy_calibration(drafter_source: dict, manifest: Manifest) -> None:
+    """Copy `<drafter folder>/calibration.json` into the engine directory (read by `report`); its temperatures
+    were already validated and copied into runtime.confidence_temperature by the loader."""
+    folder = drafter_source.get("path")
+    src = Path(folder) / "calibration.json" if folder else None
+    if src is None or not src.is_file() or "confidence_temperature" not in drafter_source:
+        return
+    dst = manifest.root / CALIBRATION_PATH
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    try:
+        method = json.loads(dst.read_text(encoding="utf-8")).get("method")
+    except (ValueError, AttributeError):
+        method = None
+    manifest.data["calibration"] = {"path": CALIBRATION_PATH, "method": method}
+
+
+def _write_report(manifest: Manifest) -> None:
+    """(Re)write `report/` and re-seal the manifest. A report that cannot be drawn costs a warning, not the
+    engine directory (the engines are complete at this point)."""
+    from .report import render_into_manifest
+
+    try:
+        render_into_manifest(manifest)
+    except Exception as e:  # noqa: BLE001  (see docstring)
+        log.warning("report not written (%s: %s); run `dspark-export report %s` to retry", type(e).__name__, e,
+                    manifest.root)
 
 
 def _export_graphs(inputs, graph_dir: Path) -> dict:
@@ -312,4 +348,6 @@ def reprofile(engine_dir: Path, context_len: int, repeats: int, progress: Progre
     manifest.data["profile"] = {"path": "profile/sps.json", "context_len": context_len,
                                 "warnings": profile["warnings"]}
     manifest.replace_file("profile/sps.json", (json.dumps(profile, indent=2) + "\n").encode())
+    if manifest.data.get("report"):  # keep the report in step with the profile it shows
+        _write_report(manifest)
     return profile

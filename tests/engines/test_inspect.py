@@ -67,6 +67,8 @@ def test_summary_text(engine_dir, capsys):
     assert "median ms" in out and "SPS" in out
     assert "block_size 4, max_context 64, vocab 256, eos [2]" in out
     assert "tokenizer.json" in out and "onnxruntime" in out
+    assert "hidden 64, heads 4/2 kv × 16, vocab 256" in out and "confidence head" in out
+    assert "calibration  none (all confidence temperatures 1)" in out and "report     report/index.html" in out
     assert "TensorRT" not in out  # only with --trt-compat
 
 
@@ -74,8 +76,18 @@ def test_summary_json_keys(engine_dir, capsys):
     code, out, _ = _run(capsys, engine_dir, "--json")
     assert code == 0
     d = json.loads(out)
-    assert set(d) == {"dir", "schema_version", "tool", "created_unix", "source", "plugins", "integrity", "graphs",
-                      "engines", "buckets", "runtime", "profile", "tokenizer", "versions", "build"}
+    assert set(d) == {"dir", "schema_version", "tool", "created_unix", "source", "models", "plugins", "integrity",
+                      "graphs", "engines", "buckets", "runtime", "profile", "calibration", "report", "tokenizer",
+                      "versions", "build"}
+    assert d["models"]["target"]["hidden_size"] == 64 and d["models"]["target"]["num_kv_heads"] == 2
+    assert d["models"]["drafter"]["block_size"] == 4 and d["models"]["drafter"]["markov_rank"] == 8
+    assert d["calibration"] == {"temperatures": [1.0] * 4, "calibrated": False, "path": None, "method": None,
+                                "rounds": None, "ece_before": None, "ece_after": None, "mean_ece_before": None,
+                                "mean_ece_after": None, "reliability_bins": False}
+    assert d["report"]["path"] == "report/index.html"
+    folders = d["integrity"]["folders"]
+    assert set(folders) == {"graphs", "engines", "profile", "tokenizer", "report"}
+    assert sum(f["files"] for f in folders.values()) + 1 == d["integrity"]["files"]
     assert d["source"]["drafter"]["is_trained"] is False and d["integrity"]["verified"] is True
     g = d["graphs"]["target"]
     assert {"path", "bytes", "data", "data_bytes", "nodes", "opset_imports", "inputs", "outputs", "functions"} <= set(g)

@@ -86,3 +86,29 @@ def test_no_manifest_is_not_an_engine_dir(tmp_path):
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(EngineDirError, match="found a file"):
         Manifest.load(tmp_path / "a-file")
+
+
+def test_replace_folder_reseals_and_drops_stale_entries(tmp_path):
+    m = _make(tmp_path)
+    m.replace_folder("report", {"index.html": b"<html>1</html>", "a.png": b"png-a"}, section="report",
+                     entry={"path": "report/index.html"})
+    loaded = Manifest.load(tmp_path)
+    assert {k for k in loaded.data["files"] if k.startswith("report/")} == {"report/index.html", "report/a.png"}
+    assert loaded.data["report"] == {"path": "report/index.html"}
+    m.replace_folder("report", {"index.html": b"<html>2</html>"})
+    loaded = Manifest.load(tmp_path)  # verified: sizes and hashes of the new files
+    assert {k for k in loaded.data["files"] if k.startswith("report/")} == {"report/index.html"}
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["index.html"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp or old folder left
+    assert loaded.data["files"]["graphs/g.onnx"] == m.data["files"]["graphs/g.onnx"]
+
+
+@pytest.mark.parametrize("rel, files, match", [(".", {"x": b""}, "engine directory itself"),
+                                               ("../out", {"x": b""}, "outside"),
+                                               ("report", {"a/b": b""}, "plain file names")])
+def test_replace_folder_refuses_bad_targets(tmp_path, rel, files, match):
+    m = _make(tmp_path)
+    before = (tmp_path / "manifest.json").read_bytes()
+    with pytest.raises(EngineDirError, match=match):
+        m.replace_folder(rel, files)
+    assert (tmp_path / "manifest.json").read_bytes() == before

@@ -7,8 +7,8 @@ import pytest
 
 from dspark_export.modeling.config import DrafterConfig
 from dspark_export.modeling.drafter import init_drafter
-from dspark_export.training.calibration import (Rounds, expected_calibration_error, fit_sts, reliability_diagram,
-                                                replay_rounds, survival)
+from dspark_export.training.calibration import (Rounds, expected_calibration_error, fit_sts, reliability_bins,
+                                                reliability_diagram, replay_rounds, survival)
 
 
 def test_ece_known_values():
@@ -37,6 +37,23 @@ def test_sts_recovers_the_temperature_and_lowers_ece(tmp_path):
     assert (np.argsort(s1[:, 0], kind="stable") == np.argsort(s2[:, 0], kind="stable")).all()
     png = reliability_diagram(rounds, fit["confidence_temperature"], tmp_path / "rel.png")
     assert png.stat().st_size > 1000
+
+
+def test_reliability_bins_agree_with_the_fit():
+    """The bins' ECE is fit_sts's ECE (same bins), counts cover every valid round, and after STS the observed
+    survival tracks the predicted one bin by bin."""
+    rounds = _synthetic_rounds(n=8000, G=3)
+    rounds.valid[:100, 2] = False
+    fit = fit_sts(rounds)
+    rel = reliability_bins(rounds, fit["confidence_temperature"])
+    assert rel["bins"] == 20 and rel["rounds"] == 8000 and [p["position"] for p in rel["positions"]] == [1, 2, 3]
+    assert [p["sts"]["ece"] for p in rel["positions"]] == pytest.approx(fit["ece_after"], abs=1e-5)
+    assert [p["raw"]["ece"] for p in rel["positions"]] == pytest.approx(fit["ece_before"], abs=1e-5)
+    assert [sum(p["sts"]["count"]) for p in rel["positions"]] == [8000, 8000, 7900]
+    for p in rel["positions"]:
+        gap = sum(n * abs(pr - ob) for pr, ob, n in zip(p["sts"]["predicted"], p["sts"]["observed"], p["sts"]["count"]))
+        assert gap / sum(p["sts"]["count"]) == pytest.approx(p["sts"]["ece"], abs=1e-4) and p["sts"]["ece"] < 0.03
+    assert all(sorted(p["raw"]["predicted"]) == p["raw"]["predicted"] for p in rel["positions"])
 
 
 def test_rounds_acceptance_length_counts_the_bonus_token():

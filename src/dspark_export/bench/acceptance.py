@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError, RequestError
+from ..progress import Eta
 from ..runtime.generator import Generator
 from ..runtime.policies import parse_policy
 from ..runtime.request import SamplingParams
@@ -247,8 +248,10 @@ def run_acceptance_bench(cfg: AcceptanceBenchConfig, progress: Callable[[str], N
 
     per_dataset = {}
     result: dict = {}
+    eta = Eta(len(cfg.datasets))
     for name in cfg.datasets:
-        say(f"[{name}] {policy}, up to {cfg.samples} samples × {cfg.max_new_tokens} tokens")
+        say(f"[{name}] {policy}, up to {cfg.samples} samples × {cfg.max_new_tokens} tokens "
+            f"(dataset {eta.text(len(per_dataset))})")
         row = per_dataset[name] = _run_dataset(name, cfg, engines, policy, encode, limit, block_size, solo)
         say(f"[{name}] τ {row['acceptance_length']:.3f} over {row['samples']} samples ({row['rounds']} rounds), "
             f"{row['tokens_per_s']:.1f} tok/s, identical {row['identical']}, {row['wall_s']:.1f} s")

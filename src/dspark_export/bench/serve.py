@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import ConfigError, RequestError
+from ..progress import Eta
 from ..runtime.generator import Generator
 from ..runtime.policies import Policy, parse_policy
 from ..runtime.request import SamplingParams
@@ -361,11 +362,12 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
     greedy = cfg.temperature == 0.0
 
     rows = []
+    eta = Eta(len(policies) * len(cfg.concurrency))
     for text, pol in policies.items():
         for c in cfg.concurrency:
             n = cfg.requests_for(c)
             prompts = source.first(n)
-            say(f"[{text} C={c}] {n} requests × {cfg.max_new_tokens} tokens")
+            say(f"[{text} C={c}] {n} requests × {cfg.max_new_tokens} tokens (run {eta.text(len(rows))})")
             if cfg.warmup:
                 Generator(engines, pol).generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, n))
             gen = Generator(engines, _timed(pol))

@@ -73,8 +73,8 @@ def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int
                        trt_minor: int = DEFAULT_TRT_MINOR) -> InspectReport:
     """Summarise (and check) the engine directory at `root`.
 
-    Summary keys: dir, schema_version, tool, created_unix, source, plugins, integrity, graphs, engines,
-    buckets, runtime, profile, tokenizer, versions, build.
+    Summary keys: dir, schema_version, tool, created_unix, source, models, plugins, integrity, graphs, engines,
+    buckets, runtime, profile, calibration, report, tokenizer, versions, build.
 
     Raises:
         EngineDirError: not an engine directory, a listed file missing or altered (size or sha256), a file
@@ -96,15 +96,20 @@ def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int
         "tool": data.get("tool", {}),
         "created_unix": data.get("created_unix"),
         "source": data.get("source", {}),
+        "models": _models(data),
         "plugins": data.get("plugins", {}),
         "integrity": {"verified": True, "files": len(files) + 1,
                       "bytes": sum(int(f["bytes"]) for f in files.values())
-                      + (root / MANIFEST_NAME).stat().st_size},
+                      + (root / MANIFEST_NAME).stat().st_size,
+                      "checked": "every listed file present with its size and sha256; no unlisted file",
+                      "folders": _folders(files)},
         "graphs": {name: _graph_summary(manifest, name, model) for name, model in models.items()},
         "engines": _engines(manifest),
         "buckets": data.get("buckets", {}),
         "runtime": data["runtime"],
         "profile": _profile(manifest),
+        "calibration": _calibration(manifest),
+        "report": data.get("report"),
         "tokenizer": [{"path": rel, "bytes": info["bytes"]} for rel, info in sorted(files.items())
                       if rel.startswith("tokenizer/")],
         "versions": data.get("versions", {}),
@@ -166,6 +171,54 @@ def _graph_summary(manifest: Manifest, name: str, model: onnx.ModelProto) -> dic
         "inputs": [_value_info(v) for v in model.graph.input],
         "outputs": [_value_info(v) for v in model.graph.output],
     }
+
+
+def _folders(files: dict) -> dict:
+    """{top-level folder: {"files", "bytes"}} over the listed files."""
+    out: dict[str, dict] = {}
+    for rel, info in sorted(files.items()):
+        folder = rel.split("/", 1)[0] if "/" in rel else "."
+        f = out.setdefault(folder, {"files": 0, "bytes": 0})
+        f["files"] += 1
+        f["bytes"] += int(info["bytes"])
+    return out
+
+
+def _models(data: dict) -> dict:
+    """The target and drafter: where they came from (manifest `source`) and their shapes (graph specs)."""
+    src, graphs = data.get("source", {}), data.get("graphs", {})
+    t_spec = graphs.get("target", {}).get("spec", {})
+    d_spec = graphs.get("drafter_block", {}).get("spec", {})
+    target = {**src.get("target", {}), **{k: t_spec[k] for k in ("num_layers", "hidden_size", "num_heads",
+                                                                  "num_kv_heads", "head_dim", "vocab_size",
+                                                                  "max_position_embeddings", "tap_layer_ids")
+                                          if k in t_spec}}
+    drafter = {k: v for k, v in src.get("drafter", {}).items() if k != "confidence_temperature"}
+    drafter.update({k: d_spec[k] for k in ("num_layers", "hidden_size", "feature_size", "block_size", "markov_rank",
+                                           "has_confidence", "mask_token_id") if k in d_spec})
+    return {"target": target, "drafter": drafter}
+
+
+def _calibration(manifest: Manifest) -> dict:
+    """The STS temperatures the engine applies and, when the directory keeps the drafter's calibration.json
+    (`build` copies it to drafter/calibration.json), the fit's ECE before/after."""
+    temps = [float(t) for t in manifest.runtime["confidence_temperature"]]
+    out = {"temperatures": temps, "calibrated": any(abs(t - 1.0) > 1e-9 for t in temps), "path": None,
+           "method": None, "rounds": None, "ece_before": None, "ece_after": None, "mean_ece_before": None,
+           "mean_ece_after": None, "reliability_bins": False}
+    rel = (manifest.data.get("calibration") or {}).get("path")
+    if rel:
+        path = manifest.path_of(rel, "calibration.path")
+        try:
+            cal = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EngineDirError(f"{path}: calibration: not readable JSON ({e})") from e
+        if not isinstance(cal, dict):
+            raise EngineDirError(f"{path}: calibration: expected a JSON object, found {type(cal).__name__}")
+        out.update(path=rel, method=cal.get("method"), rounds=cal.get("rounds"), ece_before=cal.get("ece_before"),
+                   ece_after=cal.get("ece_after"), mean_ece_before=cal.get("mean_ece_before"),
+                   mean_ece_after=cal.get("mean_ece_after"), reliability_bins=bool(cal.get("reliability")))
+    return out
 
 
 def _engines(manifest: Manifest) -> dict:
@@ -304,15 +357,23 @@ def _format(report: InspectReport) -> str:
     out.append(f"  manifest schema {s['schema_version']}, built by {tool.get('name', '?')} {tool.get('version', '?')}; "
                f"integrity ok: {integ['files']} files, {_size(integ['bytes'])}, sizes and sha256 match, "
                "no unlisted files")
-    src = s.get("source", {})
-    t, d = src.get("target", {}), src.get("drafter", {})
+    folders = ", ".join(f"{k} {v['files']} ({_size(v['bytes'])})" for k, v in integ.get("folders", {}).items())
+    if folders:
+        out.append(f"  files    {folders}")
+    models = s.get("models") or {}
+    t, d = models.get("target", {}), models.get("drafter", {})
     tdesc = ", ".join(x for x in (t.get("model_type"), f"{t['num_layers']} layers" if "num_layers" in t else None,
+                                  f"hidden {t['hidden_size']}" if "hidden_size" in t else None,
+                                  f"heads {t['num_heads']}/{t['num_kv_heads']} kv × {t['head_dim']}"
+                                  if {"num_heads", "num_kv_heads", "head_dim"} <= set(t) else None,
+                                  f"vocab {t['vocab_size']}" if "vocab_size" in t else None,
                                   "embedded default" if t.get("embedded_default") else None) if x)
     out.append(f"  target   {t.get('path', '?')} ({tdesc})")
     trained = "trained" if d.get("is_trained") else "NOT trained"
-    ddesc = ", ".join(f"{k} {d[k]}" for k in ("kind", "path", "seed", "num_layers", "block_size", "markov_rank")
-                      if d.get(k) is not None)
-    out.append(f"  drafter  {trained} ({ddesc}); target layers {d.get('target_layer_ids', '?')}")
+    ddesc = ", ".join(f"{k} {d[k]}" for k in ("kind", "path", "seed", "num_layers", "block_size", "markov_rank",
+                                              "feature_size") if d.get(k) is not None)
+    conf = "confidence head" if d.get("has_confidence") else "no confidence head"
+    out.append(f"  drafter  {trained} ({ddesc}, {conf}); target layers {d.get('target_layer_ids', '?')}")
     r = s["runtime"]
     out.append(f"  runtime  block_size {r['block_size']}, max_context {r['max_context']}, vocab {r['vocab_size']}, "
                f"eos {r['eos_token_ids']}, mask token {r.get('mask_token_id', '-')}, "
@@ -354,6 +415,18 @@ def _format(report: InspectReport) -> str:
         out += [f"  warning: {w}" for w in p["warnings"]] or ["  warnings: none"]
 
     out.append("")
+    c = s.get("calibration") or {}
+    if c:
+        line = (f"calibration  STS temperatures {c['temperatures']}" if c["calibrated"]
+                else "calibration  none (all confidence temperatures 1)")
+        if c.get("path"):
+            ece = (f"; mean ECE {c['mean_ece_before']:.4f} -> {c['mean_ece_after']:.4f}"
+                   if c.get("mean_ece_before") is not None and c.get("mean_ece_after") is not None else "")
+            line += (f"; {c['path']} ({c.get('method') or '?'}, {c.get('rounds') or '?'} rounds{ece}"
+                     f"{', reliability bins' if c.get('reliability_bins') else ''})")
+        out.append(line)
+    rep = s.get("report")
+    out.append(f"report     {rep['path']}" if rep else "report     none (dspark-export report DIR writes one)")
     out.append("tokenizer  " + ", ".join(f"{t['path'].removeprefix('tokenizer/')} ({_size(t['bytes'])})"
                                          for t in s["tokenizer"]))
     out.append("versions   " + ", ".join(f"{k} {v}" for k, v in s.get("versions", {}).items()))

@@ -3,7 +3,9 @@
 Schema versions (bump when a field's meaning changes):
     1: first version. Graphs under graphs/, ORT engine specs under engines/onnxruntime/, the
        throughput profile at profile/sps.json, tokenizer files under tokenizer/. Every file is
-       listed in `files` with its size in bytes and sha256.
+       listed in `files` with its size in bytes and sha256. Optional sections (readers must not require
+       them): `calibration` {"path": "drafter/calibration.json", "method"} and `report` {"path":
+       "report/index.html", "data", "generated_unix"}, whose files are listed like every other file.
 
 The manifest is written last and atomically (temp file, fsync, rename): a directory without a
 valid manifest is not an engine directory, so an interrupted build never looks complete.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +155,52 @@ class Manifest:
             os.fsync(f.fileno())
         os.replace(tmp, full)
         write_json_atomic(self.root / MANIFEST_NAME, self.data)
+
+    def replace_folder(self, rel_dir: str, files: dict[str, bytes], section: str | None = None,
+                       entry: dict | None = None) -> None:
+        """Replace everything under `rel_dir` with `files` ({name inside rel_dir: content}) and re-seal.
+
+        The new folder is written beside the old one (`.<name>.new-<pid>`), then old and new are swapped by
+        renames and the manifest (old entries under `rel_dir` dropped, the new ones listed with size and sha256,
+        `data[section] = entry` when given) is rewritten atomically right after. Other files are not re-hashed.
+
+        Raises:
+            EngineDirError: `rel_dir` or a file name leaves the directory, or a name has a folder part.
+        """
+        rel_dir = rel_dir.strip("/")
+        target = self.path_of(rel_dir, "folder")
+        if target == self.root.resolve():
+            raise EngineDirError(f"{self.root}: refusing to replace the engine directory itself")
+        for name in files:
+            if "/" in name or name in ("", ".", ".."):
+                raise EngineDirError(f"{self.root}: {rel_dir}: expected plain file names, found {name!r}")
+        pid = os.getpid()
+        new, old = target.with_name(f".{target.name}.new-{pid}"), target.with_name(f".{target.name}.old-{pid}")
+        for stale in (new, old):
+            if stale.exists():
+                shutil.rmtree(stale)
+        new.mkdir(parents=True)
+        listed = {}
+        try:
+            for name, content in sorted(files.items()):
+                (new / name).write_bytes(content)
+                (new / name).chmod(0o644)
+                listed[f"{rel_dir}/{name}"] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+            new.chmod(0o755)
+            if target.exists():
+                os.replace(target, old)
+            os.replace(new, target)
+        except BaseException:
+            shutil.rmtree(new, ignore_errors=True)
+            if old.exists() and not target.exists():
+                os.replace(old, target)
+            raise
+        kept = {rel: info for rel, info in self.data["files"].items() if not rel.startswith(rel_dir + "/")}
+        self.data["files"] = {**kept, **listed}
+        if section is not None:
+            self.data[section] = entry
+        self.save()
+        shutil.rmtree(old, ignore_errors=True)
 
     def save(self) -> Path:
         self.data["schema_version"] = SCHEMA_VERSION

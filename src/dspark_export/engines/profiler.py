@@ -131,17 +131,20 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
     Returns:
         the sps.json object (see the module docstring).
     """
+    from ..progress import Eta
+
     graphs = engines.manifest.data["graphs"]
     block = graphs["drafter_block"]["spec"]["block_size"]
     target, rows_t, rows_d = graphs["target"]["spec"], [], []
+    eta = Eta(len(engines.buckets("target")) + len(engines.buckets("drafter_block")))
     for b in engines.buckets("target"):
         if progress:
-            progress(f"target B={b}")
+            progress(f"target B={b} ({eta.text(len(rows_t))})")
         stats = time_runner(engines.runner_exact("target", b), _target_feed(target, b, context_len, block), warmup, repeats)
         rows_t.append({"B": b, **stats, "sps": round(1000.0 / stats["median_ms"], 3)})
     for r in engines.buckets("drafter_block"):
         if progress:
-            progress(f"drafter R={r}")
+            progress(f"drafter R={r} ({eta.text(len(rows_t) + len(rows_d))})")
         feed = _block_feed(graphs["drafter_block"]["spec"], r, context_len, block)
         rows_d.append({"R": r, **time_runner(engines.runner_exact("drafter_block", r), feed, warmup, repeats)})
     return {

@@ -28,7 +28,7 @@ from .features import FeatureCache
 from .objective import TrainBatch, block_forward
 
 __all__ = ["Rounds", "replay_rounds", "expected_calibration_error", "fit_sts", "survival",
-           "reliability_diagram", "DEFAULT_GRID", "CALIBRATION_FILE"]
+           "reliability_diagram", "reliability_bins", "DEFAULT_GRID", "CALIBRATION_FILE"]
 
 #: Written next to a drafter checkpoint; `dspark-export build` copies the temperatures into the manifest.
 CALIBRATION_FILE = "calibration.json"
@@ -159,37 +159,47 @@ def fit_sts(rounds: Rounds, grid=DEFAULT_GRID, bins: int = 20) -> dict:
             "mean_ece_after": round(float(np.mean(ece_after)), 5), "rounds": int(len(z)), "bins": bins}
 
 
-def reliability_diagram(rounds: Rounds, temperatures, path: str | Path, bins: int = 10) -> Path:
-    """PNG: per position, observed survival vs predicted survival, before (T=1) and after STS."""
-    import matplotlib
+def reliability_bins(rounds: Rounds, temperatures, bins: int = 20) -> dict:
+    """Per-position reliability table of the survival a_k, before (all T = 1) and after STS.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    For position k (1-based in the output) the valid rounds are put into `bins` equal-width bins of the
+    predicted survival a_k; each non-empty bin gives its mean predicted survival, its observed survival
+    (the fraction of its rounds whose drafts 1..k were all accepted) and its round count.
 
+    Returns:
+        {"bins": bins, "rounds": M, "positions": [{"position": k, "raw": {...}, "sts": {...}}]} where each of
+        "raw" and "sts" is {"predicted": [...], "observed": [...], "count": [...], "ece": float} over the
+        non-empty bins in ascending order (ECE with the same bins).
+    """
     G = rounds.conf_logits.shape[1]
     y = rounds.survived
-    fig, axes = plt.subplots(1, G, figsize=(2.6 * G, 2.9), sharey=True)
-    for k, ax in enumerate(np.atleast_1d(axes)):
+    curves = {"raw": survival(rounds.conf_logits, np.ones(G)), "sts": survival(rounds.conf_logits, temperatures)}
+    positions = []
+    for k in range(G):
         rows = rounds.valid[:, k]
-        for label, temps, style in (("raw", np.ones(G), "o--"), ("STS", temperatures, "s-")):
-            a = survival(rounds.conf_logits, temps)[rows, k]
-            which = np.minimum((a * bins).astype(int), bins - 1)
-            xs, ys = [], []
-            for b in range(bins):
-                m = which == b
-                if m.sum() >= 5:
-                    xs.append(a[m].mean())
-                    ys.append(y[rows, k][m].mean())
-            ax.plot(xs, ys, style, ms=3, label=f"{label} (ECE {expected_calibration_error(a, y[rows, k]):.3f})")
-        ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
-        ax.set_title(f"position {k + 1}")
-        ax.set_xlabel("predicted survival")
-        ax.legend(fontsize=6, loc="upper left")
-    np.atleast_1d(axes)[0].set_ylabel("observed survival")
-    fig.tight_layout()
+        entry = {"position": k + 1}
+        for label, a_all in curves.items():
+            a, t = a_all[rows, k], y[rows, k].astype(np.float64)
+            which = np.minimum((a * bins).astype(np.int64), bins - 1)
+            n = np.bincount(which, minlength=bins)
+            sp = np.bincount(which, weights=a, minlength=bins)
+            st = np.bincount(which, weights=t, minlength=bins)
+            used = n > 0
+            entry[label] = {"predicted": [round(float(x), 5) for x in sp[used] / n[used]],
+                            "observed": [round(float(x), 5) for x in st[used] / n[used]],
+                            "count": [int(x) for x in n[used]],
+                            "ece": round(expected_calibration_error(a, t, bins), 5)}
+        positions.append(entry)
+    return {"bins": bins, "rounds": int(len(y)), "positions": positions}
+
+
+def reliability_diagram(rounds: Rounds, temperatures, path: str | Path, bins: int = 20) -> Path:
+    """PNG: per position, observed survival vs predicted survival, before (T=1) and after STS
+    (`reliability_bins` drawn by `report.figures.reliability_figure`)."""
+    from ..report.figures import reliability_figure
+
     path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path.write_bytes(reliability_figure(reliability_bins(rounds, temperatures, bins)))
     return path
 
 

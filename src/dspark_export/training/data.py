@@ -22,6 +22,7 @@ from typing import Callable
 
 from ..bench.common import read_dataset
 from ..errors import ConfigError
+from ..progress import Eta
 from .split import split_rows
 
 __all__ = ["generate_responses", "read_records"]
@@ -103,6 +104,7 @@ def generate_responses(model_path: str | Path, split: dict, part: str, datasets_
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     groups = [[t for t in todo if ((t[0], t[1]) in sampled) == s] for s in (False, True)]
     t0, tokens, finished = time.perf_counter(), 0, 0
+    eta = Eta(len(todo))
     with out_path.open("a", encoding="utf-8") as f:
         for is_sampled, group in zip((False, True), groups):
             group.sort(key=lambda t: len(t[2]))
@@ -133,6 +135,6 @@ def generate_responses(model_path: str | Path, split: dict, part: str, datasets_
                                         "finish_reason": "stop" if response[-1] == eos else "length"}) + "\n")
                 f.flush()
                 finished += len(chunk)
-                say(f"{finished}/{len(todo)} prompts, {tokens} tokens, "
+                say(f"{eta.text(finished)} prompts, {tokens} tokens, "
                     f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
     return out_path

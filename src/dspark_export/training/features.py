@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..progress import Eta
 
 __all__ = ["build_feature_cache", "FeatureCache", "Sequence_"]
 
@@ -82,7 +83,11 @@ def build_feature_cache(target_model, records: Sequence[dict], target_layer_ids:
                                   "use another folder")
     model = target_model.to(dtype)
     t0, done_tokens = time.perf_counter(), 0
-    for start in range(0, len(records), part_size):
+    starts = range(0, len(records), part_size)
+    already = sum(min(part_size, len(records) - st) for st in starts
+                  if (out / f"part-{st // part_size:05d}" / "index.json").is_file())
+    eta = Eta(len(records), start=already)  # parts on disk (a resumed run) do not count towards the rate
+    for start in starts:
         name = f"part-{start // part_size:05d}"
         meta["parts"].append(name)
         if (out / name / "index.json").is_file():
@@ -109,7 +114,7 @@ def build_feature_cache(target_model, records: Sequence[dict], target_layer_ids:
                                                     "sources": sources}), encoding="utf-8")
         os.replace(tmp, out / name)
         done_tokens += offsets[-1]
-        say(f"{name}: {min(start + part_size, len(records))}/{len(records)} sequences, "
+        say(f"{name}: {eta.text(min(start + part_size, len(records)))} sequences, "
             f"{done_tokens / (time.perf_counter() - t0):.0f} tok/s")
         _write_meta(out, {**meta, "parts": list(meta["parts"])})
     meta["complete"] = True

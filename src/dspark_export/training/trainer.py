@@ -28,6 +28,7 @@ import torch
 from ..errors import ConfigError
 from ..modeling.config import DrafterConfig
 from ..modeling.drafter import DSparkDrafter, init_drafter
+from ..progress import Eta
 from .features import FeatureCache
 from .objective import LossWeights, dspark_loss, make_batch
 
@@ -136,6 +137,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
         os.replace(tmp, state_path)
 
     t0, seen = time.perf_counter(), 0
+    eta = Eta(cfg.steps, start=step)
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as log:
         while step < min(cfg.steps, stop_at or cfg.steps):
             if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
@@ -166,7 +168,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                 log.flush()
                 say(f"step {step}/{cfg.steps} loss {metrics['loss']:.4f} ce {metrics['ce']:.3f} l1 {metrics['l1']:.3f} "
                     f"τ_p {metrics['tau_probabilistic']:.2f} acc {metrics['accept_rate'][:4]} "
-                    f"{seen / el:.0f} blocks/s, {el:.0f} s")
+                    f"{seen / el:.0f} blocks/s, {el:.0f} s, {eta.text(step)}")
             if step % cfg.save_every == 0 or step == cfg.steps:
                 save()
         if step % cfg.save_every or step == 0:  # an early stop keeps its state too

@@ -1,0 +1,385 @@
+"""`dspark-export bench peers`: single-user greedy decoding of the same prompts with the same model, by
+dspark-export and by what a user would otherwise run, measured in one run on one machine.
+
+Systems (each skipped with a reason when it cannot run here):
+
+- ``ar``: dspark-export, autoregressive (the baseline every ratio is taken against);
+- ``dspark``: dspark-export with each of `policies` (default dspark, fixed:2, fixed:4); the best of them is
+  reported as "DSpark (best)";
+- ``onnxruntime-genai``: its model builder (``python -m onnxruntime_genai.models.builder -p fp32 -e cpu``)
+  run once on the same transformers folder the engine directory was built from, cached under
+  ``<cache>/ortgenai/``; greedy search;
+- ``transformers``: ``model.generate`` in fp32, greedy;
+- ``transformers-pld``: the same with prompt-lookup decoding (``prompt_lookup_num_tokens``).
+
+Every system gets the same token ids (the engine directory's tokenizer, chat template when `chat`), one
+prompt at a time, `max_new_tokens` at most and stops at the model's EOS. All systems are loaded and warmed up
+first (one unmeasured short generation each), then timed interleaved: prompt 1 on every system, then prompt 2,
+..., so a change in machine load during the run falls on every system alike. Per prompt the wall time of the
+whole call (prefill included) is measured with `time.perf_counter`; ``tokens_per_s`` = Σ generated tokens /
+Σ wall time.
+``identical_to_ar`` says whether its tokens equal dspark-export ``ar``'s (fp32 on different kernels can
+legitimately differ in near-ties; dspark-export's own policies must be identical).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ConfigError, RequestError
+from .common import check_datasets, check_engine_dir, default_datasets_dir, is_int, read_dataset
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PeersBenchConfig", "run_peers_bench", "markdown_table", "write_reports", "SYSTEMS", "DEFAULT_DATASETS"]
+
+SYSTEMS = ("ar", "dspark", "onnxruntime-genai", "transformers", "transformers-pld")
+DEFAULT_POLICIES = ("dspark", "fixed:2", "fixed:4")
+DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
+WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class PeersBenchConfig:
+    """What to measure (validated on construction; ConfigError names the field).
+
+    Attributes:
+        engine_dir: a built engine directory.
+        prompts: prompt texts; empty = the first prompt of each of `datasets`.
+        datasets / datasets_dir: where default prompts come from (first turn of each file's first row).
+        max_new_tokens: generated tokens per prompt at most.
+        chat: apply the chat template (one user turn).
+        systems: which of SYSTEMS to run.
+        policies: dspark-export policies tried for "DSpark (best)".
+        hf_model: transformers folder of the target; None = the folder the engine directory was built from.
+        ortgenai_model: an onnxruntime-genai model folder; None = build (once, cached) from `hf_model`.
+        prompt_lookup_tokens: `prompt_lookup_num_tokens` of transformers-pld.
+        warmup: one unmeasured short generation per system.
+    """
+
+    engine_dir: str | Path
+    prompts: tuple[str, ...] = ()
+    datasets: tuple[str, ...] = DEFAULT_DATASETS
+    datasets_dir: str | Path | None = None
+    max_new_tokens: int = 64
+    chat: bool = True
+    systems: tuple[str, ...] = SYSTEMS
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    hf_model: str | Path | None = None
+    ortgenai_model: str | Path | None = None
+    prompt_lookup_tokens: int = 10
+    warmup: bool = True
+
+    def __post_init__(self):
+        from ..runtime.policies import parse_policy
+
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+        put("engine_dir", check_engine_dir(self.engine_dir))
+        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= 4096:
+            raise ConfigError(f"max_new_tokens: expected an integer in [1, 4096], found {self.max_new_tokens!r}")
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems:
+            raise ConfigError(f"systems: expected a non-empty subset of {', '.join(SYSTEMS)}, found "
+                              f"{list(self.systems)}")
+        if "ar" not in self.systems:
+            put("systems", ("ar", *self.systems))  # every ratio is taken against ar
+        for p in self.policies:
+            try:
+                pol = parse_policy(p)
+            except RequestError as e:
+                raise ConfigError(f"policies: {e}") from None
+            if pol.name == "ar":
+                raise ConfigError("policies: 'ar' is the baseline, not a DSpark policy")
+        if "dspark" in self.systems and not self.policies:
+            raise ConfigError("policies: expected at least one policy for the dspark system")
+        if not self.prompts:
+            names, folder = check_datasets(self.datasets, self.datasets_dir if self.datasets_dir is not None
+                                           else default_datasets_dir())
+            put("prompts", tuple(read_dataset(folder / f"{n}.jsonl")[0] for n in names))
+            put("datasets", names)
+        if not all(isinstance(p, str) and p for p in self.prompts):
+            raise ConfigError("prompts: expected non-empty strings")
+        if not is_int(self.prompt_lookup_tokens) or self.prompt_lookup_tokens < 1:
+            raise ConfigError(f"prompt_lookup_tokens: expected an integer >= 1, found {self.prompt_lookup_tokens!r}")
+
+    def to_dict(self) -> dict:
+        return {"engine_dir": str(self.engine_dir), "prompts": list(self.prompts), "max_new_tokens": self.max_new_tokens,
+                "chat": self.chat, "systems": list(self.systems), "policies": list(self.policies),
+                "hf_model": str(self.hf_model) if self.hf_model else None,
+                "ortgenai_model": str(self.ortgenai_model) if self.ortgenai_model else None,
+                "prompt_lookup_tokens": self.prompt_lookup_tokens, "warmup": self.warmup}
+
+
+@dataclass
+class _Run:
+    tokens: list[list[int]] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+
+    def row(self, system: str, ar: "_Run | None", **extra) -> dict:
+        total_tokens, total_s = sum(len(t) for t in self.tokens), sum(self.wall_s)
+        identical = None if ar is None else all(a == b for a, b in zip(self.tokens, ar.tokens))
+        return {"system": system, "tokens_per_s": round(total_tokens / total_s, 3) if total_s > 0 else None,
+                "tokens": total_tokens, "wall_s": round(total_s, 4),
+                "per_prompt": [{"tokens": len(t), "wall_s": round(s, 4)} for t, s in zip(self.tokens, self.wall_s)],
+                "identical_to_ar": identical, **extra}
+
+
+# -- systems ---------------------------------------------------------------------------------------------
+
+def _ours(rt, policy: str):
+    from ..runtime.generator import Generator
+    from ..runtime.policies import parse_policy
+    from ..runtime.request import SamplingParams
+
+    gen = Generator(rt.engines, parse_policy(policy))  # one per policy: systems are interleaved per prompt
+
+    def generate(ids: list[int], max_new: int) -> list[int]:
+        [r] = gen.generate([ids], [SamplingParams(max_new_tokens=max_new)])
+        if r.finish_reason == "error":
+            raise RequestError(f"bench peers: dspark-export {policy}: {r.error}")
+        return r.token_ids
+    return generate
+
+
+def _shared_transformers(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _hf_folder(cfg: PeersBenchConfig, manifest_source: dict) -> tuple[Path | None, str | None]:
+    folder = Path(cfg.hf_model) if cfg.hf_model else None
+    if folder is None:
+        path = (manifest_source.get("target") or {}).get("path")
+        folder = Path(path) if path else None
+    if folder is None or not (folder / "config.json").is_file():
+        return None, (f"no transformers folder (config.json) at {folder}; the engine directory was built from "
+                      "another format, pass --hf-model" if folder else "no transformers folder; pass --hf-model")
+    return folder, None
+
+
+def _transformers(model, eos: list[int], lookup: int | None):
+    import torch
+
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+
+    def generate(ids: list[int], max_new: int) -> list[int]:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0], temperature=None, top_p=None, top_k=None,
+                                 **extra)
+        return out[0, len(ids):].tolist()
+    return generate
+
+
+def ortgenai_cache_dir(hf_folder: Path) -> Path:
+    from ..modeling.target import default_cache_dir
+
+    return default_cache_dir() / "ortgenai" / f"{hf_folder.name}-fp32-cpu"
+
+
+def _ortgenai_model(cfg: PeersBenchConfig, hf_folder: Path | None, say) -> tuple[Path | None, str | None]:
+    if cfg.ortgenai_model:
+        path = Path(cfg.ortgenai_model)
+        return (path, None) if (path / "genai_config.json").is_file() else \
+            (None, f"{path}: not an onnxruntime-genai model folder (no genai_config.json)")
+    if hf_folder is None:
+        return None, "no transformers folder to build the onnxruntime-genai model from; pass --hf-model"
+    out = ortgenai_cache_dir(hf_folder)
+    if (out / "genai_config.json").is_file():
+        return out, None
+    say(f"building the onnxruntime-genai model (fp32, cpu) from {hf_folder} into {out} (once)")
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out),
+           "-p", "fp32", "-e", "cpu", "-c", str(out.parent / ".builder-cache")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return None, f"onnxruntime-genai model builder failed (exit {proc.returncode}): {tail[0][:200]}"
+    return out, None
+
+
+def _ortgenai(path: Path):
+    import onnxruntime_genai as og
+
+    model = og.Model(str(path))
+
+    def generate(ids: list[int], max_new: int) -> list[int]:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + max_new, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(ids)
+        while not gen.is_done():
+            gen.generate_next_token()
+        return list(gen.get_sequence(0))[len(ids):]
+    return generate
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------
+
+def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """Run every system of `cfg` on its prompts.
+
+    Returns:
+        {"config", "engine_dir", "drafter_trained", "prompt_tokens", "machine", "results": [{"system",
+        "tokens_per_s", "ratio_to_ar", "tokens", "wall_s", "per_prompt", "identical_to_ar", ...} or
+        {"system", "skipped": reason, "tokens_per_s": None, "ratio_to_ar": None}], "best_dspark"}.
+    Raises:
+        ConfigError / EngineDirError: a bad configuration or engine directory.
+        RequestError: a dspark-export generation failed.
+    """
+    from tqdm import tqdm
+
+    from ..runtime.api import Runtime
+
+    say = progress or (lambda line: None)
+    rt = Runtime.open(cfg.engine_dir, policy="ar")
+    manifest = rt.engines.manifest
+    prompts = [rt.encode(p, cfg.chat) for p in cfg.prompts]
+    limit = int(manifest.runtime["max_context"]) - cfg.max_new_tokens
+    too_long = [i for i, ids in enumerate(prompts) if len(ids) > limit]
+    if too_long:
+        raise ConfigError(f"prompts {too_long}: longer than the engine's context minus max_new_tokens ({limit} tokens)")
+    eos = [int(e) for e in manifest.runtime["eos_token_ids"]]
+    hf, hf_reason = _hf_folder(cfg, manifest.data.get("source", {}))
+
+    plan: list[tuple[str, str | None]] = []  # (system, policy)
+    for sname in cfg.systems:
+        if sname == "dspark":
+            plan += [("dspark", p) for p in cfg.policies]
+        else:
+            plan.append((sname, None))
+
+    # load every system first, then time them interleaved per prompt (prompt 1 on every system, then prompt 2,
+    # ...), so a change in machine load during the run falls on all systems alike
+    systems, skipped, hf_model = [], {}, None
+    for system, policy in plan:
+        label = f"dspark-export {policy}" if policy else ("dspark-export ar" if system == "ar" else system)
+        reason, fn, extra = None, None, {}
+        if system in ("ar", "dspark"):
+            fn, extra = _ours(rt, policy or "ar"), {"policy": policy or "ar"}
+        elif system == "onnxruntime-genai":
+            if importlib.util.find_spec("onnxruntime_genai") is None:
+                reason = "onnxruntime-genai is not installed (pip install 'dspark-export[peers]')"
+            else:
+                path, reason = _ortgenai_model(cfg, hf, say)
+                if path is not None:
+                    fn, extra = _ortgenai(path), {"model": str(path), "precision": "fp32", "provider": "cpu"}
+        else:
+            reason = hf_reason
+            if hf is not None:
+                if hf_model is None:  # transformers and transformers-pld share one model
+                    say(f"[{label}] loading {hf}")
+                    hf_model = _shared_transformers(hf)
+                lookup = cfg.prompt_lookup_tokens if system == "transformers-pld" else None
+                fn = _transformers(hf_model, eos, lookup)
+                extra = {"model": str(hf), "dtype": "float32", "torch_threads": _torch_threads(),
+                         **({"prompt_lookup_num_tokens": lookup} if lookup else {})}
+        if fn is None:
+            say(f"[{label}] skipped: {reason}")
+            skipped[label] = reason
+        else:
+            if cfg.warmup:
+                fn(prompts[0], WARMUP_TOKENS)
+            systems.append((label, fn, extra))
+
+    runs = {label: _Run() for label, _, _ in systems}
+    bar = tqdm(total=len(systems) * len(prompts), desc="bench peers", unit="gen", file=sys.stderr, disable=None)
+    try:
+        for ids in prompts:
+            for label, fn, _ in systems:
+                bar.set_postfix_str(label)
+                t0 = time.perf_counter()
+                out = fn(ids, cfg.max_new_tokens)
+                runs[label].wall_s.append(time.perf_counter() - t0)
+                runs[label].tokens.append(list(out))
+                bar.update(1)
+    finally:
+        bar.close()
+    ar_run = runs["dspark-export ar"]
+    results = []
+    for system, policy in plan:
+        label = f"dspark-export {policy}" if policy else ("dspark-export ar" if system == "ar" else system)
+        if label in skipped:
+            results.append({"system": label, "skipped": skipped[label], "tokens_per_s": None, "ratio_to_ar": None})
+            continue
+        extra = next(e for lbl, _, e in systems if lbl == label)
+        row = runs[label].row(label, None if label == "dspark-export ar" else ar_run, **extra)
+        results.append(row)
+        say(f"[{label}] {row['tokens_per_s']} tokens/s ({row['tokens']} tokens in {row['wall_s']:.2f} s), "
+            f"identical to ar: {row['identical_to_ar']}")
+    ar_tps = next(r["tokens_per_s"] for r in results if r["system"] == "dspark-export ar")
+    for r in results:
+        r["ratio_to_ar"] = round(r["tokens_per_s"] / ar_tps, 3) if r.get("tokens_per_s") and ar_tps else None
+    ours = [r for r in results if r.get("policy") not in (None, "ar") and r.get("tokens_per_s")]
+    best = max(ours, key=lambda r: r["tokens_per_s"]) if ours else None
+    if best is not None:
+        results.insert(1, {**best, "system": "DSpark (best)", "best_of": [r["policy"] for r in ours]})
+    peers = {r["system"]: r for r in results}
+    comparisons = {}
+    if best is not None:
+        for name in ("onnxruntime-genai", "transformers", "transformers-pld"):
+            other = peers.get(name, {}).get("tokens_per_s")
+            comparisons[name] = round(best["tokens_per_s"] / other, 3) if other else None
+    import platform
+
+    return {
+        "config": cfg.to_dict(),
+        "engine_dir": str(cfg.engine_dir),
+        "drafter_trained": bool(manifest.runtime.get("drafter_trained", False)),
+        "prompt_tokens": [len(p) for p in prompts],
+        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "python": platform.python_version()},
+        "best_dspark": {"policy": best["policy"], "tokens_per_s": best["tokens_per_s"],
+                        "ratio_to_ar": best["ratio_to_ar"]} if best else None,
+        "dspark_speedup_over": comparisons,
+        "results": results,
+    }
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+# -- reports -----------------------------------------------------------------------------------------------
+
+def markdown_table(result: dict) -> str:
+    lines = ["| system | tokens/s | ratio to our ar | tokens | identical to ar | note |", "|---|---:|---:|---:|---|---|"]
+    for r in result["results"]:
+        tps = f"{r['tokens_per_s']:.2f}" if r.get("tokens_per_s") else "–"
+        ratio = f"{r['ratio_to_ar']:.2f}" if r.get("ratio_to_ar") else "–"
+        note = r.get("skipped") or (f"best of {', '.join(r['best_of'])}: {r['policy']}" if r.get("best_of") else "")
+        lines.append(f"| {r['system']} | {tps} | {ratio} | {r.get('tokens', '–')} | "
+                     f"{r.get('identical_to_ar', '–')} | {note} |")
+    return "\n".join(lines)
+
+
+def write_reports(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    """peers.json, peers.md and peers.png (tokens/s per system) into `out_dir`."""
+    from ..report.figures import peers_figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "peers.json", "markdown": out / "peers.md", "figure": out / "peers.png"}
+    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
+    cfg = result["config"]
+    paths["markdown"].write_text("\n".join([
+        "# Peer benchmark (single user, greedy, same prompts, one run)", "",
+        f"- engine directory `{result['engine_dir']}`; {len(cfg['prompts'])} prompt(s), max_new_tokens "
+        f"{cfg['max_new_tokens']}, chat template {cfg['chat']}; machine {result['machine']}",
+        "- tokens/s = Σ generated tokens / Σ per-prompt wall time (prefill included), after one warm-up", "",
+        markdown_table(result), ""]))
+    paths["figure"].write_bytes(peers_figure(result))
+    return paths

@@ -1,0 +1,183 @@
+"""`dspark-export export-profile`: the throughput profile SPS(B) and the STS calibration in the file formats
+that serving engines with DSpark support read.
+
+Formats (confirmed from each project's loader source, not from a published schema; re-check when upgrading):
+
+- ``sglang``: SGLang's DSpark server flags ``--speculative-dspark-sps-table-path`` and
+  ``--speculative-dspark-confidence-sts-path`` (sgl-project/sglang, PR #30261;
+  ``python/sglang/srt/speculative/dspark_components/dspark_sps.py`` ``SpsCostTable`` and ``dspark_sts.py``
+  ``DSparkStsCalibration``, read with msgspec). SPS table: ``{"sample_batch_tokens": [int, strictly
+  increasing], "sample_steps_per_sec": [float], "max_batch_tokens": int}``; SGLang looks B up by the largest
+  probe ≤ B (a floor), clamped at both ends. STS: ``{"temperatures": [γ floats > 0], "dataset", "num_samples",
+  "ece_before", "ece_after"}``.
+- ``trtllm``: TensorRT-LLM's ``DSparkDecodingConfig.confidence_cost_table_path`` and
+  ``confidence_calibration_path`` (NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/speculative/dspark_planner.py``
+  legacy cost table, ``dspark_sts.py``). Cost table: ``{"token_counts": [int, strictly increasing],
+  "step_time_ms": [float > 0], "minimum_predicted_gain": float}`` looked up by clamped linear interpolation
+  over the total verified tokens (bonus included), so a flat shelf is written as two breakpoints with equal
+  values. Calibration: ``{"sts_temperatures": [γ floats]}``. TensorRT-LLM's schema-v2 exact tables need a
+  GPU/CUDA-graph fingerprint of the serving engine and are not written.
+- ``vllm``: not exportable. vLLM's adaptive verification profiles its step costs itself at startup from its
+  captured CUDA graphs (``docs/features/speculative_decoding/adaptive_verification.md``); it documents no file
+  to load, only ``VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN``.
+- ``generic``: this project's own labelled JSON and CSV (per bucket: median/p10/p90 ms, SPS, the bucket that
+  serves it, the SPS the scheduler uses), for any other consumer.
+
+Both SPS conversions reproduce exactly the staircase our runtime uses: B tokens are served by the fastest
+measured engine whose bucket is ≥ B (`EngineSet.bucket_for`). An SPS table describes the hardware and engine
+it was measured on (here ONNX Runtime on this machine); the STS temperatures describe the drafter and carry
+over to any engine serving the same drafter.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from ..errors import ConfigError, ProfileError
+from .manifest import Manifest
+
+__all__ = ["FORMATS", "export_profile", "sps_staircase", "VLLM_NOTE"]
+
+FORMATS = ("sglang", "trtllm", "generic", "vllm")
+VLLM_NOTE = ("vLLM documents no file format for its adaptive-verification cost profile: it measures step costs "
+             "itself at startup from its captured CUDA graphs (set VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN "
+             "to the context you serve); use --format generic for this engine directory's table")
+#: TensorRT-LLM's runtime default for profiler artifacts (its loader's `minimum_predicted_gain` default)
+TRTLLM_MIN_GAIN = 0.01
+
+
+def sps_staircase(target_rows: list[dict]) -> list[dict]:
+    """Per bucket B (ascending): the serving bucket (fastest measured bucket ≥ B), its median ms and SPS.
+
+    Raises:
+        ProfileError: no rows, or a row without integer B / positive median_ms.
+    """
+    try:
+        rows = sorted(({"B": int(r["B"]), "median_ms": float(r["median_ms"])} for r in target_rows),
+                      key=lambda r: r["B"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"profile: every target row needs an integer 'B' and a numeric 'median_ms' ({e!r})") from None
+    if not rows or any(r["median_ms"] <= 0 for r in rows) or len({r["B"] for r in rows}) != len(rows):
+        raise ProfileError("profile: expected distinct buckets with positive median_ms")
+    out = []
+    for i, r in enumerate(rows):
+        best = min(rows[i:], key=lambda x: (x["median_ms"], x["B"]))
+        out.append({"B": r["B"], "served_by": best["B"], "step_ms": best["median_ms"],
+                    "sps": round(1000.0 / best["median_ms"], 6)})
+    return out
+
+
+def _sglang_sps(stairs: list[dict]) -> dict:
+    # SGLang floors B to the largest probe <= B, so bucket b_i's value starts at b_{i-1} + 1.
+    probes, prev = [], 0
+    for s in stairs:
+        probes.append((prev + 1, s["sps"]))
+        prev = s["B"]
+    return {"sample_batch_tokens": [p for p, _ in probes], "sample_steps_per_sec": [v for _, v in probes],
+            "max_batch_tokens": stairs[-1]["B"]}
+
+
+def _trtllm_cost(stairs: list[dict]) -> dict:
+    # Linear interpolation between breakpoints: each bucket's shelf (b_{i-1}, b_i] is two equal breakpoints.
+    counts, times, prev = [], [], 0
+    for s in stairs:
+        for b in dict.fromkeys((prev + 1, s["B"])):
+            counts.append(b)
+            times.append(s["step_ms"])
+        prev = s["B"]
+    return {"token_counts": counts, "step_time_ms": times, "minimum_predicted_gain": TRTLLM_MIN_GAIN}
+
+
+def _calibration(manifest: Manifest) -> dict:
+    temps = [float(t) for t in manifest.runtime["confidence_temperature"]]
+    cal: dict = {}
+    rel = (manifest.data.get("calibration") or {}).get("path")
+    if rel:
+        try:
+            loaded = json.loads(manifest.path_of(rel, "calibration.path").read_text(encoding="utf-8"))
+            cal = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            cal = {}
+    same = [float(t) for t in cal.get("confidence_temperature", [])] == temps
+    return {"temperatures": temps, "ece_before": cal.get("ece_before") if same else None,
+            "ece_after": cal.get("ece_after") if same else None, "rounds": cal.get("rounds") if same else None,
+            "fitted_on": cal.get("fitted_on") if same else None}
+
+
+def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
+    """Write the profile (and calibration) of `engine_dir` in format `fmt` into the folder `out`.
+
+    Returns:
+        {"format", "files": {role: path}, "flags": {server flag / config field: path}, "notes": [str]}.
+    Raises:
+        ConfigError: an unknown format, `vllm` (no documented file format), or an engine directory
+            without a throughput profile.
+        EngineDirError: the directory is not a complete, intact engine directory.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
+    if fmt == "vllm":
+        raise ConfigError(f"--format vllm: {VLLM_NOTE}")
+    manifest = Manifest.load(Path(engine_dir), verify=True)
+    rel = (manifest.data.get("profile") or {}).get("path")
+    if not rel:
+        raise ConfigError(f"{engine_dir}: no throughput profile recorded; run `dspark-export profile --engine-dir "
+                          f"{engine_dir}` first")
+    sps = json.loads(manifest.path_of(rel, "profile.path").read_text())
+    stairs = sps_staircase(sps.get("target") or [])
+    cal = _calibration(manifest)
+    block = int(manifest.runtime["block_size"])
+    calibrated = any(abs(t - 1.0) > 1e-9 for t in cal["temperatures"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = [f"SPS measured on {sps.get('device', {}).get('backend', '?')} "
+             f"{','.join(sps.get('device', {}).get('providers', []))} at context {sps.get('context_len')}: it "
+             "describes that engine on this machine; profile the serving engine itself for its own table"]
+    if not calibrated:
+        notes.append("the drafter is uncalibrated (all STS temperatures 1)")
+    files: dict[str, Path] = {}
+    flags: dict[str, str] = {}
+
+    def write(name: str, role: str, data: str) -> Path:
+        path = out / name
+        path.write_text(data, encoding="utf-8")
+        files[role] = path
+        return path
+
+    if fmt == "sglang":
+        p = write("sglang_sps_table.json", "sps_table", json.dumps(_sglang_sps(stairs), indent=1) + "\n")
+        flags["--speculative-dspark-sps-table-path"] = str(p)
+        sts = {"temperatures": cal["temperatures"], "dataset": cal["fitted_on"] or "", "num_samples": cal["rounds"] or 0}
+        if cal["ece_before"] and cal["ece_after"]:
+            sts.update(ece_before=cal["ece_before"], ece_after=cal["ece_after"])
+        p = write("sglang_sts.json", "sts", json.dumps(sts, indent=1) + "\n")
+        flags["--speculative-dspark-confidence-sts-path"] = str(p)
+    elif fmt == "trtllm":
+        p = write("trtllm_cost_table.json", "cost_table", json.dumps(_trtllm_cost(stairs), indent=1) + "\n")
+        flags["confidence_cost_table_path"] = str(p)
+        p = write("trtllm_calibration.json", "calibration",
+                  json.dumps({"sts_temperatures": cal["temperatures"]}, indent=1) + "\n")
+        flags["confidence_calibration_path"] = str(p)
+        notes.append("TensorRT-LLM: enable with DSparkDecodingConfig(enable_confidence_scheduling=True, ...)")
+    else:
+        generic = {"format": "dspark-export generic SPS profile", "version": 1, "block_size": block,
+                   "context_len": sps.get("context_len"), "device": sps.get("device", {}),
+                   "lookup": "B verification tokens (one anchor/bonus row per request plus its drafts) are served by "
+                             "the bucket in served_by; sps is that bucket's 1000 / median_ms",
+                   "buckets": [{**{k: r.get(k) for k in ("B", "median_ms", "p10_ms", "p90_ms")},
+                                "served_by": s["served_by"], "sps": s["sps"]}
+                               for r, s in zip(sorted(sps["target"], key=lambda r: int(r["B"])), stairs)],
+                   "drafter_block": sps.get("drafter_block", []),
+                   "confidence_temperature": cal["temperatures"], "ece_before": cal["ece_before"],
+                   "ece_after": cal["ece_after"]}
+        write("dspark_profile.json", "json", json.dumps(generic, indent=1) + "\n")
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["B", "median_ms", "p10_ms", "p90_ms", "served_by", "sps"])
+        for row in generic["buckets"]:
+            w.writerow([row["B"], row["median_ms"], row["p10_ms"], row["p90_ms"], row["served_by"], row["sps"]])
+        write("dspark_profile.csv", "csv", buf.getvalue())
+    return {"format": fmt, "files": {k: str(v) for k, v in files.items()}, "flags": flags, "notes": notes}

@@ -1,0 +1,95 @@
+"""`dspark-export bench peers` on a tiny engine directory: every system runs for real on the tiny model
+(onnxruntime-genai only where installed); missing peers are skipped with a reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from dspark_export.bench import peers
+from dspark_export.bench.peers import PeersBenchConfig, run_peers_bench
+from dspark_export.cli import main as cli_main
+from dspark_export.errors import ConfigError
+from dspark_export.pipeline import BuildConfig, build_engine_dir
+
+BUCKETS = dict(target_buckets=(1, 2, 4, 8), request_buckets=(1, 2), max_context=64, profile_context=16,
+               profile_repeats=2, block_size=4, markov_rank=8)
+PROMPTS = ("hello there", "abc abc abc abc")
+HAS_ORTGENAI = importlib.util.find_spec("onnxruntime_genai") is not None
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("peers") / "eng"
+    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
+    return out
+
+
+def test_ours_and_transformers_on_the_same_prompts(engine_dir):
+    cfg = PeersBenchConfig(engine_dir, prompts=PROMPTS, max_new_tokens=8,
+                           systems=("ar", "dspark", "transformers", "transformers-pld"), policies=("fixed:2", "dspark"))
+    result = run_peers_bench(cfg)
+    rows = {r["system"]: r for r in result["results"]}
+    assert list(rows) == ["dspark-export ar", "DSpark (best)", "dspark-export fixed:2", "dspark-export dspark",
+                          "transformers", "transformers-pld"]
+    assert rows["dspark-export ar"]["ratio_to_ar"] == 1.0
+    for name, row in rows.items():
+        assert row["tokens_per_s"] > 0 and len(row["per_prompt"]) == 2 and row["tokens"] > 0
+        assert row["ratio_to_ar"] == pytest.approx(row["tokens_per_s"] / rows["dspark-export ar"]["tokens_per_s"],
+                                                   rel=1e-2)
+    # greedy speculative decoding is lossless: our policies reproduce ar token for token
+    assert rows["dspark-export fixed:2"]["identical_to_ar"] is True and rows["dspark-export dspark"]["identical_to_ar"]
+    best = max((rows["dspark-export fixed:2"], rows["dspark-export dspark"]), key=lambda r: r["tokens_per_s"])
+    assert rows["DSpark (best)"]["policy"] == best["policy"] == result["best_dspark"]["policy"]
+    assert rows["transformers-pld"]["prompt_lookup_num_tokens"] == 10
+    assert isinstance(rows["transformers"]["identical_to_ar"], bool)
+    assert set(result["dspark_speedup_over"]) == {"onnxruntime-genai", "transformers", "transformers-pld"}
+    assert result["dspark_speedup_over"]["onnxruntime-genai"] is None  # not run here
+
+
+def test_missing_peer_is_skipped_with_a_reason(engine_dir, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(peers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "onnxruntime_genai" else real(name, *a))
+    result = run_peers_bench(PeersBenchConfig(engine_dir, prompts=PROMPTS[:1], max_new_tokens=4,
+                                              systems=("ar", "onnxruntime-genai")))
+    row = result["results"][-1]
+    assert row["system"] == "onnxruntime-genai" and "not installed" in row["skipped"]
+    assert row["tokens_per_s"] is None and row["ratio_to_ar"] is None
+
+
+def test_transformers_skipped_without_a_transformers_folder(engine_dir, tmp_path):
+    result = run_peers_bench(PeersBenchConfig(engine_dir, prompts=PROMPTS[:1], max_new_tokens=4,
+                                              systems=("transformers",), hf_model=tmp_path))
+    assert result["results"][0]["system"] == "dspark-export ar"  # ar is always run: it is the baseline
+    assert "no transformers folder" in result["results"][1]["skipped"]
+
+
+@pytest.mark.skipif(not HAS_ORTGENAI, reason="onnxruntime-genai not installed (optional extra 'peers')")
+def test_onnxruntime_genai_built_from_the_same_folder(engine_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_EXPORT_CACHE", str(tmp_path / "cache"))
+    result = run_peers_bench(PeersBenchConfig(engine_dir, prompts=PROMPTS, max_new_tokens=8,
+                                              systems=("ar", "onnxruntime-genai")))
+    row = result["results"][-1]
+    assert row["system"] == "onnxruntime-genai" and row.get("skipped") is None, row
+    assert row["tokens_per_s"] > 0 and row["model"].startswith(str(tmp_path / "cache"))
+    assert (tmp_path / "cache" / "ortgenai").is_dir()
+
+
+def test_cli_json_and_errors(engine_dir, tmp_path, capsys):
+    out = tmp_path / "peers.json"
+    code = cli_main(["bench", "peers", "--engine-dir", str(engine_dir), "--prompt", "hi", "--max-new-tokens", "4",
+                     "--systems", "ar,dspark", "--policies", "fixed:1", "--json", str(out), "--out-dir",
+                     str(tmp_path / "r")])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert all({"system", "tokens_per_s", "ratio_to_ar"} <= set(r) for r in data["results"])
+    assert {p.name for p in (tmp_path / "r").iterdir()} == {"peers.json", "peers.md", "peers.png"}
+    assert "| dspark-export ar |" in capsys.readouterr().out
+    code = cli_main(["bench", "peers", "--engine-dir", str(engine_dir), "--prompt", "hi", "--systems", "vllm"])
+    err = capsys.readouterr().err
+    assert code == 2 and "systems" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="baseline"):
+        PeersBenchConfig(engine_dir, prompts=("x",), policies=("ar",))
