@@ -10,7 +10,8 @@ import pytest
 from dspark_export.cli import _parser, main
 
 COMMANDS = [["build"], ["generate"], ["bench"], ["bench", "serve"], ["bench", "acceptance"], ["bench", "peers"],
-            ["profile"], ["report"], ["export-profile"], ["inspect"]]
+            ["profile"], ["report"], ["export-profile"], ["inspect"], ["trt"], ["trt", "build"], ["trt", "compare"],
+            ["trt", "plan"]]
 
 
 def _subcommands(parser, prefix=()):

@@ -168,11 +168,13 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trt", help="TensorRT backend: plan (no TensorRT needed), build, compare",
                        epilog=TRT_EXAMPLES, formatter_class=fmt).add_subparsers(dest="trt", required=True)
     tp = t.add_parser("plan", help="lower the graphs and derive every engine's optimization profile (JSON); "
-                                   "needs no TensorRT")
+                                   "needs no TensorRT", epilog=TRT_EXAMPLES, formatter_class=fmt)
     tb = t.add_parser("build", help="build TensorRT engines (one plan per graph, one profile per bucket) into an "
-                                    "engine directory and profile them (TensorRT >= 10.9, GPU)")
+                                    "engine directory and profile them (TensorRT >= 10.9, GPU)",
+                      epilog=TRT_EXAMPLES, formatter_class=fmt)
     tc = t.add_parser("compare", help="compare every TensorRT engine with ONNX Runtime on the same inputs "
-                                      "(Polygraphy comparator); exit 1 on a mismatch")
+                                      "(Polygraphy comparator); exit 1 on a mismatch",
+                      epilog=TRT_EXAMPLES, formatter_class=fmt)
     for q in (tp, tb, tc):
         q.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
     for q in (tp, tb):

@@ -38,7 +38,7 @@ def test_ours_and_transformers_on_the_same_prompts(engine_dir):
     for name, row in rows.items():
         assert row["tokens_per_s"] > 0 and len(row["per_prompt"]) == 2 and row["tokens"] > 0
         assert row["ratio_to_ar"] == pytest.approx(row["tokens_per_s"] / rows["dspark-export ar"]["tokens_per_s"],
-                                                   rel=1e-2)
+                                                   rel=1e-2, abs=1e-3)  # the JSON rounds to 3 decimals
     # greedy speculative decoding is lossless: our policies reproduce ar token for token
     assert rows["dspark-export fixed:2"]["identical_to_ar"] is True and rows["dspark-export dspark"]["identical_to_ar"]
     best = max((rows["dspark-export fixed:2"], rows["dspark-export dspark"]), key=lambda r: r["tokens_per_s"])
