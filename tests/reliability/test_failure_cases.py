@@ -48,7 +48,7 @@ def test_sd01_one_token_prompt_positions_advance_by_committed_tokens(rel_runtime
 
     rid = gen.submit(prompt, SamplingParams(max_new_tokens=20), on_token)
     lens = []
-    run_steps(gen, lambda g: (check_lengths(g), lens.append(int(g.target_kv.lens[0]))))
+    run_steps(gen, lambda g: (check_lengths(g), check_caches_equal_fresh(g), lens.append(int(g.target_kv.lens[0]))))
     r = gen.result(rid)
     assert r.token_ids == ref and r.finish_reason == "length"
     assert rounds[0] == ref[:1]                       # the prefill step's first token
@@ -216,7 +216,7 @@ def test_sd06_sd08_spec_sampling_preserves_the_target_distribution(rel_runtime):
     requests with the DSpark drafter (most drafts rejected: the residual path). The first two output
     tokens are compared with the EXACT target-only distribution (computed from the target's rows,
     not sampled): χ² goodness of fit p > 1e-3 for the joint and for each position, TV of each
-    position < 0.05. 3000 (not 20 000) requests because each costs ~3 engine calls on a shared
+    position < its expected sampling noise + 0.03. 3000 (not 20 000) requests because each costs ~3 engine calls on a shared
     2-core CPU; the 40 000-row op-level tests below check the same rule at the tolerance of the note."""
     rt = rel_runtime
     prompt, T, top_k, top_p, n = [5, 6, 7, 8], 0.7, 50, 0.9, 3000
@@ -232,7 +232,9 @@ def test_sd06_sd08_spec_sampling_preserves_the_target_distribution(rel_runtime):
     for pos, marginal in ((0, joint.sum(1)), (1, joint.sum(0))):
         c = np.bincount(pairs[:, pos], minlength=V).astype(float)
         p, tv = chi_square_p(c, marginal), 0.5 * np.abs(c / n - marginal).sum()
-        assert p > 1e-3 and tv < 0.05, (pos, p, tv)
+        # TV of n exact samples is not 0: E|p̂ - p| ≈ sqrt(2 p (1-p) / (π n)) per token; allow 0.03 above it
+        tv_noise = 0.5 * np.sqrt(2 * marginal * (1 - marginal) / (np.pi * n)).sum()
+        assert p > 1e-3 and tv < tv_noise + 0.03, (pos, p, tv, tv_noise)
     # the second token went through speculative rounds: some drafts were accepted, some rejected
     first_round = [r.stats.accepted_per_position[0] if r.stats.accepted_per_position else 0 for r in results]
     assert 0 < sum(first_round) < n
