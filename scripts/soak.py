@@ -15,8 +15,9 @@ Checks, all reported (exit status 1 if any fails):
     exactly the invalid ones failed, exactly the cancelled ones were cancelled;
   * every greedy request that finished normally equals its solo non-speculative run (`ar`, alone);
   * resident memory (psutil RSS) after the run is within --max-drift (5 %) of RSS measured after the
-    warm-up (the first --warmup requests finished; each generator had already run its longest request
-    and a full batch, so caches and ORT arenas had reached their working size).
+    warm-up: every engine first runs once at the largest shapes the soak can reach (`prewarm`, so ONNX
+    Runtime's per-session arenas are at their working size), then the first --warmup requests finish
+    (each generator has run its longest request and a full batch, so its KV caches are at size).
 
 Finished requests are `release`d as they are read, as a long-running server would.
 """
@@ -104,6 +105,58 @@ def make_records(encode, texts: list[str], policies: list[str], n: int, min_new:
             rec.params["max_new_tokens"] = max(rec.params["max_new_tokens"], 8)
         records.append(rec)
     return records
+
+
+def kv_capacity(needed: int, max_context: int, initial: int = 256) -> int:
+    """The capacity a `KVCache` reaches for `needed` entries (doubling from `initial`, capped)."""
+    c = min(initial, max_context)
+    while c < needed:
+        c = min(max_context, 2 * c)
+    return c
+
+
+def prewarm(rt, slots: int, capacity: int) -> None:
+    """Run every engine once at the largest shapes the soak can reach (`slots` requests, KV buffers of
+    `capacity` entries, every row returning logits), as a server does at start-up: ONNX Runtime's
+    per-session memory arenas grow to the largest shape each session has seen and keep it, so without
+    this the first minutes of serving look like a leak."""
+    from dspark_export.engines.packing import Segment, pack_segments
+
+    eng = rt.engines
+    graphs = eng.manifest.data["graphs"]
+    tspec, dspec = graphs["target"]["spec"], graphs["drafter_block"]["spec"]
+    g, V = int(dspec["block_size"]), int(eng.manifest.runtime["vocab_size"])
+    S = eng.bucket_for("drafter_block", slots)
+
+    def kv(spec, key, value, n=S):
+        shape = (n, spec["num_kv_heads"], capacity, spec["head_dim"])
+        return {f"{name}.{i}": np.zeros(shape, np.float32) for i in range(spec["num_layers"]) for name in (key, value)}
+
+    for N in eng.buckets("target"):
+        sizes = [N // S + (1 if r < N % S else 0) for r in range(S)]
+        segs = [Segment(r, np.ones(q, np.int64), capacity - q) for r, q in enumerate(sizes) if q]
+        lens = np.zeros(S, np.int64)
+        for seg in segs:
+            lens[seg.slot] = seg.start_position
+        packed = pack_segments(segs, S, lens, N)
+        eng.runner_exact("target", N).infer({**packed.feed, **kv(tspec, "past_key", "past_value")})
+    for N in eng.buckets("drafter_context"):
+        eng.runner_exact("drafter_context", N).infer({
+            "aux_hidden": np.zeros((N, graphs["drafter_context"]["spec"]["feature_size"]), np.float32),
+            "position_ids": np.arange(N, dtype=np.int64)})
+    for R in eng.buckets("drafter_block"):
+        eng.runner_exact("drafter_block", R).infer({
+            "anchor_ids": np.ones(R, np.int64), "start_positions": np.full(R, capacity - g, np.int64),
+            "context_lens": np.full(R, capacity - g, np.int64), **kv(dspec, "context_key", "context_value", R),
+            "temperature": np.ones(R, np.float32), "top_k": np.zeros(R, np.int64), "top_p": np.full(R, 0.9, np.float32),
+            "uniforms": np.full((R, g), 0.5, np.float32), "confidence_temperature": np.ones(g, np.float32)})
+    for R in eng.buckets("verify"):
+        eng.runner_exact("verify", R).infer({
+            "target_logits": np.zeros((R * (g + 1), V), np.float32),
+            "query_start": np.arange(R + 1, dtype=np.int64) * (g + 1), "draft_ids": np.zeros((R, g), np.int64),
+            "draft_logits": np.zeros((R, g, V), np.float32), "verify_lens": np.full(R, g, np.int64),
+            "temperature": np.ones(R, np.float32), "top_k": np.zeros(R, np.int64), "top_p": np.full(R, 0.9, np.float32),
+            "uniforms": np.full((R, g + 1), 0.5, np.float32)})
 
 
 def rss_bytes() -> int:
@@ -235,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-slots", type=int, default=8, help="KV slots per generator (8)")
     p.add_argument("--warmup", type=int, default=None, help="requests finished before the RSS baseline (10 %%)")
     p.add_argument("--max-drift", type=float, default=0.05)
+    p.add_argument("--no-prewarm", action="store_true", help="skip running every engine at its largest shape first")
     p.add_argument("--bad-every", type=int, default=50)
     p.add_argument("--cancel-every", type=int, default=40)
     p.add_argument("--solo-limit", type=int, default=None, help="check at most this many greedy requests solo")
@@ -256,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                            args.max_new, min(args.max_prompt, capacity - args.max_new - 1), capacity,
                            args.bad_every, args.cancel_every, args.seed)
     warmup = args.warmup if args.warmup is not None else max(len(policies), args.requests // 10)
+    capacity = kv_capacity(max(len(r.prompt) for r in records if r.kind != "over-capacity") + args.max_new, capacity)
+    if not args.no_prewarm:
+        say(f"pre-warming every engine at {args.max_slots} slots x {capacity} KV entries")
+        prewarm(rt, args.max_slots, capacity)
     say(f"{len(records)} requests, policies {policies}, new tokens {args.min_new}..{args.max_new}, "
         f"prompts 1..{max(len(r.prompt) for r in records)} tokens, in flight {args.in_flight}")
     report = run_soak(rt, records, args.in_flight, warmup, args.max_slots, say)
