@@ -16,8 +16,9 @@ Checks, all reported (exit status 1 if any fails):
   * every greedy request that finished normally equals its solo non-speculative run (`ar`, alone);
   * resident memory (psutil RSS) after the run is within --max-drift (5 %) of RSS measured after the
     warm-up: every engine first runs once at the largest shapes the soak can reach (`prewarm`, so ONNX
-    Runtime's per-session arenas are at their working size), then the first --warmup requests finish
-    (each generator has run its longest request and a full batch, so its KV caches are at size).
+    Runtime's per-session arenas are at their working size), each generator runs one full batch of the
+    longest request (its KV buffers, which the OS commits page by page as they are written, reach
+    their working size; not counted in the report), then the first --warmup requests finish.
 
 Finished requests are `release`d as they are read, as a long-running server would.
 """
@@ -165,7 +166,7 @@ def rss_bytes() -> int:
 
 
 def run_soak(rt, records: list[Record], in_flight: int, warmup: int, max_slots: int | None = None,
-             log=lambda msg: None) -> dict:
+             log=lambda msg: None, warm_batch: bool = False) -> dict:
     """Serve `records` through one Generator per policy, stepped in turn. Returns the report dict
     (without the solo-run check, see `check_greedy`)."""
     from dspark_export.runtime.generator import Generator
@@ -210,6 +211,19 @@ def run_soak(rt, records: list[Record], in_flight: int, warmup: int, max_slots: 
             policy, rid = to_release.pop()
             gens[policy].release(rid)
 
+    if warm_batch:
+        # one full batch of the longest requests per generator: its KV buffers (allocated lazily by the
+        # OS, resident only once written) are written to their working size before the baseline
+        longest = max((r for r in records if r.kind == "normal"), key=lambda r: len(r.prompt) + r.params["max_new_tokens"])
+        for gen in gens.values():
+            ids = [gen.submit(longest.prompt, SamplingParams(max_new_tokens=longest.params["max_new_tokens"],
+                                                             ))
+                   for _ in range(gen.max_slots)]
+            while gen.has_work():
+                gen.step()
+            for rid in ids:
+                gen.release(rid)
+        log(f"warm batch done: {sum(g.max_slots for g in gens.values())} requests")
     submit_more()
     steps = rounds = 0
     while pending or any(g.has_work() for g in gens.values()):
@@ -316,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         prewarm(rt, args.max_slots, capacity)
     say(f"{len(records)} requests, policies {policies}, new tokens {args.min_new}..{args.max_new}, "
         f"prompts 1..{max(len(r.prompt) for r in records)} tokens, in flight {args.in_flight}")
-    report = run_soak(rt, records, args.in_flight, warmup, args.max_slots, say)
+    report = run_soak(rt, records, args.in_flight, warmup, args.max_slots, say, warm_batch=not args.no_prewarm)
     say(f"served in {report['wall_s']} s; checking greedy requests against solo runs")
     report.update(check_greedy(rt, records, args.solo_limit))
     report["max_drift"] = args.max_drift
