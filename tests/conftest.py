@@ -83,3 +83,39 @@ def tiny_target_dir(tmp_path_factory):
     model.save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def fake_tensorrt(monkeypatch):
+    """Install stand-in ``tensorrt`` and ``tensorrt.plugin`` modules for one test (never a real TensorRT).
+
+    ``fake_tensorrt(version="10.16.0.1", plugin=dict(...) | None)`` puts a ``tensorrt`` module with a
+    ``Builder`` and that ``__version__`` into ``sys.modules``; ``plugin`` gives the attributes of
+    ``tensorrt.plugin`` (None: the submodule does not import). The cached TensorRT availability check is
+    cleared before and after, so the stand-ins are seen and never outlive the test. Returns the module.
+    """
+    import sys
+    import types
+
+    from dspark_export.engines.trt import tensorrt_unavailable_reason
+
+    def install(version: str = "10.16.0.1", plugin: dict | None = None):
+        trt = types.ModuleType("tensorrt")
+        trt.__version__ = version
+        trt.Builder = type("Builder", (), {})
+        monkeypatch.setitem(sys.modules, "tensorrt", trt)
+        if plugin is None:
+            monkeypatch.setitem(sys.modules, "tensorrt.plugin", None)  # `import tensorrt.plugin` raises ImportError
+        else:
+            trtp = types.ModuleType("tensorrt.plugin")
+            for name, value in plugin.items():
+                setattr(trtp, name, value)
+            trt.plugin = trtp
+            monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+        tensorrt_unavailable_reason.cache_clear()
+        return trt
+
+    tensorrt_unavailable_reason.cache_clear()
+    yield install
+    monkeypatch.undo()
+    tensorrt_unavailable_reason.cache_clear()

@@ -132,7 +132,9 @@ def test_altered_engine_file_is_refused(engine_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(engine_dir, copy)
     spec = next((copy / "engines" / "onnxruntime").glob("target.N8.json"))
-    spec.write_text(spec.read_text().replace('"N": 8', '"N": 9'))
+    altered = spec.read_text().replace('"ORT_ENABLE_ALL"', '"ORT_ENABLE_BASIC"')
+    assert altered != spec.read_text()
+    spec.write_text(altered)
     with pytest.raises(EngineDirError, match="target.N8.json"):
         Runtime.open(copy)
 

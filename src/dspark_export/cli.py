@@ -1,4 +1,4 @@
-"""Command line: `dspark-export build | generate | profile | inspect`.
+"""Command line: `dspark-export build | generate | profile | inspect | bench | trt`.
 
 Each command parses arguments and calls one stage function; errors print one line (the full trace
 with --verbose) and exit non-zero.
@@ -36,6 +36,12 @@ INSPECT_EXAMPLES = """examples:
   dspark-export inspect engines/smollm2 --json
   dspark-export inspect engines/smollm2 --trt-compat              # exit 1 if a graph would not parse in TensorRT 10
 """
+TRT_EXAMPLES = """examples:
+  dspark-export trt plan --engine-dir engines/smollm2               # lowering + optimization profiles (no TensorRT needed)
+  dspark-export trt build --engine-dir engines/smollm2              # TensorRT >= 10.9 and a GPU: engines + SPS profile
+  dspark-export trt compare --engine-dir engines/smollm2            # TensorRT vs ONNX Runtime, Polygraphy comparator
+  dspark-export generate --engine-dir engines/smollm2 --backend tensorrt --prompt "Hi"
+"""
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -47,7 +53,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.",
-                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + INSPECT_EXAMPLES,
+                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + PROFILE_EXAMPLES + INSPECT_EXAMPLES + TRT_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -87,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ar | fixed:K | threshold:C | dspark | dspark-async (default dspark)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
+    g.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
+                   help="engines to run: onnxruntime (default) or tensorrt (added by `dspark-export trt build`)")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from .bench import acceptance_cli, serve_cli
@@ -111,7 +119,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="check every node (function bodies and If branches included) against TensorRT's ONNX "
                         "operator table; exit 1 if one would not parse")
     i.add_argument("--trt-version", type=int, default=10, help="TensorRT major version to check against (10)")
+    i.add_argument("--trt-minor", type=int, default=15,
+                   help="TensorRT minor release targeted (15, the table's edition); below 9 the plugin nodes block, "
+                        "since ahead-of-time Python plugins need TensorRT >= 10.9")
     i.add_argument("--json", action="store_true", help="one JSON object on stdout instead of tables")
+
+    t = sub.add_parser("trt", help="TensorRT backend: plan (no TensorRT needed), build, compare",
+                       epilog=TRT_EXAMPLES, formatter_class=fmt).add_subparsers(dest="trt", required=True)
+    tp = t.add_parser("plan", help="lower the graphs and derive every engine's optimization profile (JSON); "
+                                   "needs no TensorRT")
+    tb = t.add_parser("build", help="build TensorRT engines (one plan per graph, one profile per bucket) into an "
+                                    "engine directory and profile them (TensorRT >= 10.9, GPU)")
+    tc = t.add_parser("compare", help="compare every TensorRT engine with ONNX Runtime on the same inputs "
+                                      "(Polygraphy comparator); exit 1 on a mismatch")
+    for q in (tp, tb, tc):
+        q.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
+    for q in (tp, tb):
+        q.add_argument("--context", type=int, default=128, help="past length of the profiles' opt point and of "
+                                                                "the SPS timing (128)")
+    tb.add_argument("--repeats", type=int, default=10, help="timed runs per bucket (10)")
+    tb.add_argument("--opt-level", type=int, default=3, choices=range(6), help="builder optimization level (3)")
+    tb.add_argument("--overwrite", action="store_true", help="replace TensorRT engines already in the directory")
+    tc.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (1e-3)")
+    tc.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (1e-3)")
+    tc.add_argument("--graphs", type=lambda x: tuple(x.split(",")), default=None,
+                    help="comma-separated graphs to compare (all)")
     return p
 
 
@@ -185,7 +217,7 @@ def cmd_generate(args) -> int:
     parse_policy(args.policy)
     items = [(args.prompt, None)] if args.prompt is not None else _read_prompts(args.prompts_file)
     _progress(f"loading {args.engine_dir}")
-    rt = Runtime.open(args.engine_dir, policy=args.policy, verify=not args.no_verify)
+    rt = Runtime.open(args.engine_dir, policy=args.policy, verify=not args.no_verify, backend=args.backend)
     if not rt.engines.manifest.runtime.get("drafter_trained", False) and rt.policy.drafts:
         _progress("note: this engine directory's drafter is untrained: drafts are rarely accepted")
     _progress(f"generating {len(items)} prompt(s) with policy {rt.policy}")
@@ -234,9 +266,33 @@ def cmd_profile(args) -> int:
 def cmd_inspect(args) -> int:
     from .engines.inspect import inspect_engine_dir
 
-    report = inspect_engine_dir(args.dir, trt_compat=args.trt_compat, trt_version=args.trt_version)
+    report = inspect_engine_dir(args.dir, trt_compat=args.trt_compat, trt_version=args.trt_version,
+                                trt_minor=args.trt_minor)
     print(json.dumps(report.to_dict()) if args.json else report.format_text())
     return report.exit_code
+
+
+def cmd_trt(args) -> int:
+    if args.trt == "plan":
+        from .engines.manifest import Manifest
+        from .engines.trt.builder import plan_build, plan_summary
+
+        print(json.dumps(plan_summary(plan_build(Manifest.load(args.engine_dir, verify=True), args.context))))
+        return 0
+    if args.trt == "build":
+        from .engines.trt.builder import TrtBuildConfig, build_trt_engines
+
+        sps = build_trt_engines(TrtBuildConfig(args.engine_dir, context_len=args.context, repeats=args.repeats,
+                                               builder_optimization_level=args.opt_level,
+                                               overwrite=args.overwrite), progress=_progress)
+        print(json.dumps({"sps": {row["B"]: row["sps"] for row in sps["target"]}, "warnings": sps["warnings"]}))
+        return 0
+    from .engines.trt.compare import compare_backends
+
+    result = compare_backends(args.engine_dir, atol=args.atol, rtol=args.rtol, graphs=args.graphs,
+                              progress=_progress)
+    print(json.dumps(result))
+    return 0 if result["passed"] else 1
 
 
 def _raise_interrupt(signum, frame):
@@ -253,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile, "bench": cmd_bench,
-                "inspect": cmd_inspect}[args.command](args)
+                "inspect": cmd_inspect, "trt": cmd_trt}[args.command](args)
     except DsparkExportError as e:
         if args.verbose:
             raise

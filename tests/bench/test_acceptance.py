@@ -155,3 +155,34 @@ def test_cli(engine_dir, datasets_dir, tmp_path, capsys):  # noqa: F811
     assert "error: policy:" in capsys.readouterr().err
     assert cli_main(common + ["--datasets", "livecodebench"]) == 2
     assert "livecodebench.jsonl" in capsys.readouterr().err
+
+
+def test_partial_results_after_each_dataset(engine_dir, datasets_dir):  # noqa: F811
+    """An interrupted long run keeps its finished datasets: on_dataset sees each partial result."""
+    cfg = AcceptanceBenchConfig(engine_dir, datasets=("gsm8k", "mt-bench"), datasets_dir=datasets_dir, samples=1,
+                                max_new_tokens=4, warmup=False)
+    seen = []
+    result = run_acceptance_bench(cfg, on_dataset=lambda partial: seen.append(json.loads(json.dumps(partial))))
+    assert [sorted(p["datasets"]) for p in seen] == [["gsm8k"], ["gsm8k", "mt-bench"]]
+    assert [p["complete"] for p in seen] == [False, True] and result["complete"]
+    assert seen[0]["domains"]["chat"] is None and seen[-1]["datasets"] == result["datasets"]
+
+
+def test_cli_json_holds_finished_datasets_when_interrupted(engine_dir, datasets_dir, tmp_path, monkeypatch):  # noqa: F811
+    from dspark_export.bench import acceptance as acc
+
+    real = acc._run_dataset
+
+    def stop_on_second(name, *a, **kw):
+        if name == "mt-bench":
+            raise KeyboardInterrupt
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(acc, "_run_dataset", stop_on_second)
+    out = tmp_path / "partial.json"
+    rc = cli_main(["bench", "acceptance", "--engine-dir", str(engine_dir), "--datasets-dir", str(datasets_dir),
+                   "--datasets", "gsm8k,mt-bench", "--samples", "1", "--max-new-tokens", "4", "--no-warmup",
+                   "--json", str(out)])
+    assert rc == 130
+    saved = json.loads(out.read_text())
+    assert list(saved["datasets"]) == ["gsm8k"] and saved["complete"] is False

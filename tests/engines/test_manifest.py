@@ -62,8 +62,13 @@ def test_paths_outside_the_directory(tmp_path, bad):
     (lambda d: d.update(runtime=[1, 2]), r"runtime: expected a JSON object, found list"),
     (lambda d: d["graphs"].pop("verify"), r"graphs: missing \['verify'\]"),
     (lambda d: d["engines"][0].update(path="../../etc/passwd"), r"does not match its key"),
+    (lambda d: d["runtime"].update(max_context=-1), r"runtime.max_context: expected an integer >= 1, found -1"),
+    (lambda d: d["runtime"].update(vocab_size=0), r"runtime.vocab_size: expected an integer >= 1"),
+    (lambda d: d.update(engines=[]), r"engines: expected at least one engine"),
+    (lambda d: d["graphs"]["target"].update(spec={"vocab_size": 256}),
+     r"runtime.vocab_size 10 does not match the target graph's vocab_size 256"),
 ], ids=["schema", "no-runtime", "no-vocab", "str-block", "block-mismatch", "runtime-list", "no-verify",
-        "engine-path"])
+        "engine-path", "negative-context", "zero-vocab", "no-engines", "vocab-mismatch"])
 def test_bad_manifest_fields(tmp_path, edit, match):
     _make(tmp_path)
     data = json.loads((tmp_path / "manifest.json").read_text())
@@ -78,3 +83,6 @@ def test_no_manifest_is_not_an_engine_dir(tmp_path):
         Manifest.load(tmp_path)
     with pytest.raises(EngineDirError, match="no such directory"):
         Manifest.load(tmp_path / "nope")
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(EngineDirError, match="found a file"):
+        Manifest.load(tmp_path / "a-file")

@@ -79,6 +79,19 @@ def test_save_replaces_a_drafter_but_not_other_folders(tmp_path, llama_target, m
         save_drafter(first, tmp_path / "e", dtype=torch.int8)
 
 
+def test_saved_drafter_folder_has_ordinary_permissions(tmp_path, llama_target, make_drafter):
+    """Not mkdtemp's 0700: a drafter folder is shared like any folder the user creates (umask applies)."""
+    import os
+
+    mask = os.umask(0o022)
+    try:
+        path = save_drafter(make_drafter(llama_target, seed=1), tmp_path / "shared")
+    finally:
+        os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in path.iterdir())
+
+
 # --------------------------------------------------------------------------- a hand-written DeepSpec folder
 
 

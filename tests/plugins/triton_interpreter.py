@@ -21,6 +21,7 @@ import numpy as np
 _KERNEL_MODULES = (
     "dspark_export.plugins.markov_draft.triton_kernel",
     "dspark_export.plugins.speculative_verify.triton_kernel",
+    "dspark_export.plugins.tensorrt_kernels",  # the TensorRT-order wrappers of the two kernels
 )
 _TIMEOUT_S = 300
 
@@ -50,6 +51,16 @@ def _run(op_type: str, feeds: dict[str, np.ndarray], options: dict) -> tuple[dic
             {name: value.numpy() for name, value in tensors.items()})
 
 
+def _run_trt_order(op_type: str, feeds: dict[str, np.ndarray], fields: dict) -> dict:
+    """Outputs of ``tensorrt_kernels.launch_trt_order`` (the plugin's launch: TensorRT argument order) on CPU."""
+    import torch
+
+    from dspark_export.plugins.tensorrt_kernels import launch_trt_order
+
+    tensors = {name: torch.from_numpy(array.copy()) for name, array in feeds.items()}
+    return {name: value.numpy() for name, value in launch_trt_order(op_type, tensors, fields).items()}
+
+
 class InterpreterWorker:
     """One spawned process that runs the kernels in the interpreter; ``close`` it when done."""
 
@@ -72,6 +83,10 @@ class InterpreterWorker:
     def run(self, op_type: str, feeds: dict[str, np.ndarray], **options) -> tuple[dict, dict]:
         """(outputs, inputs after the run) as numpy; a PluginError in the worker is raised here."""
         return self._pool.apply_async(_run, (op_type, feeds, options)).get(timeout=_TIMEOUT_S)
+
+    def run_trt_order(self, op_type: str, feeds: dict[str, np.ndarray], **fields) -> dict:
+        """Outputs of the TensorRT-order kernel launched as the plugin launches it (see ``_run_trt_order``)."""
+        return self._pool.apply_async(_run_trt_order, (op_type, feeds, fields)).get(timeout=_TIMEOUT_S)
 
     def close(self) -> None:
         self._pool.terminate()

@@ -216,7 +216,7 @@ def test_sd06_sd08_spec_sampling_preserves_the_target_distribution(rel_runtime):
     requests with the DSpark drafter (most drafts rejected: the residual path). The first two output
     tokens are compared with the EXACT target-only distribution (computed from the target's rows,
     not sampled): χ² goodness of fit p > 1e-3 for the joint and for each position, TV of each
-    position < its expected sampling noise + 0.03. 3000 (not 20 000) requests because each costs ~3 engine calls on a shared
+    position below the 99.9th percentile of the TV of n exact target-only samples. 3000 (not 20 000) requests because each costs ~3 engine calls on a shared
     2-core CPU; the 40 000-row op-level tests below check the same rule at the tolerance of the note."""
     rt = rel_runtime
     prompt, T, top_k, top_p, n = [5, 6, 7, 8], 0.7, 50, 0.9, 3000
@@ -229,12 +229,14 @@ def test_sd06_sd08_spec_sampling_preserves_the_target_distribution(rel_runtime):
     V = joint.shape[0]
     counts = np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).astype(float)
     assert chi_square_p(counts, joint.ravel()) > 1e-3
+    sim = np.random.default_rng(0)
     for pos, marginal in ((0, joint.sum(1)), (1, joint.sum(0))):
         c = np.bincount(pairs[:, pos], minlength=V).astype(float)
         p, tv = chi_square_p(c, marginal), 0.5 * np.abs(c / n - marginal).sum()
-        # TV of n exact samples is not 0: E|p̂ - p| ≈ sqrt(2 p (1-p) / (π n)) per token; allow 0.03 above it
-        tv_noise = 0.5 * np.sqrt(2 * marginal * (1 - marginal) / (np.pi * n)).sum()
-        assert p > 1e-3 and tv < tv_noise + 0.03, (pos, p, tv, tv_noise)
+        # TV tolerance: the 99.9th percentile of the TV that n exact target-only samples show by chance
+        # (with V = 256 and n = 3000 a fixed 0.05 is below the sampling noise of a correct sampler)
+        null = [0.5 * np.abs(sim.multinomial(n, marginal / marginal.sum()) / n - marginal).sum() for _ in range(1000)]
+        assert p > 1e-3 and tv < np.quantile(null, 0.999), (pos, p, tv, np.quantile(null, 0.999))
     # the second token went through speculative rounds: some drafts were accepted, some rejected
     first_round = [r.stats.accepted_per_position[0] if r.stats.accepted_per_position else 0 for r in results]
     assert 0 < sum(first_round) < n

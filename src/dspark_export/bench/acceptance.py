@@ -206,12 +206,15 @@ def _run_dataset(name: str, cfg: AcceptanceBenchConfig, engines, policy, encode,
     }
 
 
-def run_acceptance_bench(cfg: AcceptanceBenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+def run_acceptance_bench(cfg: AcceptanceBenchConfig, progress: Callable[[str], None] | None = None,
+                         on_dataset: Callable[[dict], None] | None = None) -> dict:
     """Run the offline acceptance protocol on every dataset of `cfg`.
 
     Args:
         cfg: what to measure.
         progress: called with one line of text per dataset; None = quiet.
+        on_dataset: called after each dataset with the result so far (same layout, `"complete": False`
+            until the last dataset), so a long run that is interrupted keeps its finished datasets.
     Returns:
         {"config", "engine_dir", "policy", "block_size", "max_context", "drafter_trained",
          "datasets": {name: {acceptance_length, samples, conditional_acceptance, tokens_per_s, ...}},
@@ -243,12 +246,21 @@ def run_acceptance_bench(cfg: AcceptanceBenchConfig, progress: Callable[[str], N
         Generator(engines, policy).generate([ids], [SamplingParams(max_new_tokens=WARMUP_TOKENS)])
 
     per_dataset = {}
+    result: dict = {}
     for name in cfg.datasets:
         say(f"[{name}] {policy}, up to {cfg.samples} samples × {cfg.max_new_tokens} tokens")
         row = per_dataset[name] = _run_dataset(name, cfg, engines, policy, encode, limit, block_size, solo)
         say(f"[{name}] τ {row['acceptance_length']:.3f} over {row['samples']} samples ({row['rounds']} rounds), "
             f"{row['tokens_per_s']:.1f} tok/s, identical {row['identical']}, {row['wall_s']:.1f} s")
+        result = _assemble(cfg, policy, block_size, max_context, info, per_dataset)
+        if on_dataset is not None:
+            on_dataset(result)
+    return result
 
+
+def _assemble(cfg: AcceptanceBenchConfig, policy, block_size: int, max_context: int, info: dict,
+              per_dataset: dict) -> dict:
+    """The result layout of `run_acceptance_bench` over the datasets measured so far."""
     domains = {d: _mean(per_dataset[n]["acceptance_length"] for n in names if n in per_dataset)
                for d, names in DOMAINS.items()}
     others = [n for n in per_dataset if domain_of(n) == "other"]
@@ -267,6 +279,7 @@ def run_acceptance_bench(cfg: AcceptanceBenchConfig, progress: Callable[[str], N
         "macro": _mean(domains.values()),
         "conditional_acceptance": {n: row["conditional_acceptance"] for n, row in per_dataset.items()},
         "identity": {"identical": all(checked) if checked else None, "checked": len(checked)},
+        "complete": len(per_dataset) == len(cfg.datasets),
     }
 
 

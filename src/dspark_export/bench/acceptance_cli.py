@@ -7,6 +7,7 @@ from typing import Callable
 
 from .acceptance import (DEFAULT_DATASETS, DEFAULT_SEED, AcceptanceBenchConfig, markdown_table,
                          run_acceptance_bench, write_reports)
+from ..engines.manifest import write_json_atomic
 from .common import add_common_arguments, write_outputs
 
 EXAMPLES = """examples:
@@ -42,7 +43,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
         samples=args.samples, temperature=args.temperature, policy=args.policy,
         max_new_tokens=args.max_new_tokens, seed=args.seed, chat=not args.no_chat, warmup=not args.no_warmup,
         threads=args.threads, max_concurrency=args.max_concurrency)
-    result = run_acceptance_bench(cfg, progress)
+    def checkpoint(partial: dict) -> None:  # --json holds every finished dataset, even if the run stops
+        if args.json is not None and not partial["complete"]:
+            write_json_atomic(args.json, partial)
+
+    result = run_acceptance_bench(cfg, progress, on_dataset=checkpoint)
     write_outputs(result, args, write_reports, progress)
     identity = result["identity"]
     return (markdown_table(result) + f"\n\ngreedy identity vs ar: {identity['identical']} "

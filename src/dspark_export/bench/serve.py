@@ -18,6 +18,8 @@ Measurements (wall clock, `time.perf_counter`):
 - `mean_verify_len` = Σ draft_tokens / Σ rounds (drafts verified per request per step; the anchor
   row is not counted), `acceptance_length` τ = Σ committed_in_rounds / Σ rounds (bonus included),
   both over all requests of the run.
+- `drafter_steps_skipped`: steps whose drafter block `dspark-async` skipped because the capacity K* from
+  earlier confidences was 0 under the drafter cost (`Generator._skip_drafting`).
 - `scheduler_ms`: time inside `Policy.verify_lengths` per step, measured by a timing subclass of
   the policy handed to the generator (the runtime is not modified); 0 for `ar`, which never calls it.
 
@@ -316,6 +318,7 @@ def _summarise(policy: str, concurrency: int, gen: Generator, run: _Run) -> dict
         "max_in_flight": run.max_in_flight,
         "slots": gen.max_slots,
         "finish_reasons": dict(Counter(r.finish_reason for r in results)),
+        "drafter_steps_skipped": gen.drafts_skipped,
     }
 
 

@@ -4,9 +4,13 @@ its graphs would import into TensorRT.
 `inspect_engine_dir` verifies the directory first (every manifest file present with its size and sha256,
 no file the manifest does not list), then reads the graphs without their weights
 (`onnx.load(..., load_external_data=False)`), the engine keys, the runtime settings, the throughput
-profile and the tokenizer files into one JSON-able summary. With `trt_compat` it runs
-`engines.trt_ops.check_model` over every graph. Nothing here prints; `InspectReport.format_text` renders
-the human-readable tables for the CLI.
+profile and the tokenizer files into one JSON-able summary. With `trt_compat` it lowers every graph to
+the form the TensorRT backend builds (`engines/trt/lowering.py`: `dspark` nodes become plugin nodes, their
+ONNX function bodies go) and runs `engines.trt_ops.check_model` over the lowered graphs; those findings
+decide the verdict. The canonical graphs' function bodies are checked too and reported as "fallback":
+they are what a parser would import without the lowering (TensorRT 10.0-10.6 always, later releases when
+our plugins are not registered). Nothing here prints; `InspectReport.format_text` renders the
+human-readable tables for the CLI.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
-from ..errors import EngineDirError
+from ..errors import BuildError, EngineDirError
 from .manifest import MANIFEST_NAME, Manifest
 from .trt_ops import OPSET_RANGE, TABLE_SOURCE, TABLE_TRT_VERSION, Finding, check_model, our_plugins
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InspectReport", "inspect_engine_dir"]
+__all__ = ["InspectReport", "inspect_engine_dir", "DEFAULT_TRT_MINOR"]
+
+#: the TensorRT 10 minor release checked against unless told otherwise (the operator table's edition)
+DEFAULT_TRT_MINOR = int(TABLE_TRT_VERSION.split(".")[1])
 
 
 @dataclass
@@ -62,7 +69,8 @@ class InspectReport:
         return _format(self)
 
 
-def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int = 10) -> InspectReport:
+def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int = 10,
+                       trt_minor: int = DEFAULT_TRT_MINOR) -> InspectReport:
     """Summarise (and check) the engine directory at `root`.
 
     Summary keys: dir, schema_version, tool, created_unix, source, plugins, integrity, graphs, engines,
@@ -72,6 +80,9 @@ def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int
         EngineDirError: not an engine directory, a listed file missing or altered (size or sha256), a file
             the manifest does not list, or a graph that is not readable ONNX. One line naming the file.
         ConfigError: `trt_version` is not a tabled TensorRT major.
+
+    `trt_minor` is the TensorRT 10 minor release targeted: below 9 the plugin nodes of the lowered graphs
+    are blocking (ahead-of-time Python plugins arrived in 10.9; `MIN_TRT_VERSION`).
     """
     root = Path(root)
     manifest = Manifest.load(root, verify=True)
@@ -101,7 +112,7 @@ def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int
     }
     report = InspectReport(summary)
     if trt_compat:
-        report.findings, report.trt = _trt_section(models, data["runtime"], trt_version)
+        report.findings, report.trt = _trt_section(models, data["runtime"], trt_version, trt_minor)
     return report
 
 
@@ -186,23 +197,48 @@ def _profile(manifest: Manifest) -> dict | None:
 
 # -- TensorRT ------------------------------------------------------------------------------------------
 
-def _trt_section(models: dict, runtime: dict, trt_version: int) -> tuple[list[Finding], dict]:
+def _trt_section(models: dict, runtime: dict, trt_version: int, trt_minor: int) -> tuple[list[Finding], dict]:
+    """Check the lowered graphs (what the TensorRT backend builds) and, for the record, the canonical graphs'
+    function bodies (what a parser would import without the lowering and without our plugins)."""
+    from ..plugins.tensorrt_spec import MIN_TRT_VERSION
+    from .trt.lowering import lower_model
+
     plugins = our_plugins()
     dims = {"V": int(runtime["vocab_size"])}  # the contract's symbolic vocabulary dim
     findings: list[Finding] = []
     plugin_nodes: list[dict] = []
+    lowering: dict[str, dict] = {}
     opsets = {}
     for name, model in models.items():
-        findings += check_model(model, name, trt_major=trt_version, plugins=plugins, dims=dims,
-                                plugin_nodes=plugin_nodes)
         opsets[name] = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+        # canonical graph: only the findings inside plugin function bodies add anything the lowered graph lacks
+        findings += [f for f in check_model(model, name, trt_major=trt_version, plugins=plugins, dims=dims)
+                     if f.fallback]
+        try:
+            lowered = lower_model(model, name)
+        except BuildError as e:
+            findings.append(Finding(name, "", "", f"lowering failed: {e}", rule="lowering"))
+            continue
+        lowering[name] = lowered.summary()
+        nodes: list[dict] = []
+        findings += check_model(lowered.model, name, trt_major=trt_version, plugins=plugins, dims=dims,
+                                plugin_nodes=nodes)
+        for p in nodes:
+            p["fields"] = next((x["fields"] for x in lowered.plugin_nodes if x["node"] == p["node"]), {})
+            if (trt_version, trt_minor) < MIN_TRT_VERSION:
+                findings.append(Finding(name, p["node"], p["op"], f"the ahead-of-time Python plugin needs TensorRT "
+                                        f">= {MIN_TRT_VERSION[0]}.{MIN_TRT_VERSION[1]}, targeted "
+                                        f"{trt_version}.{trt_minor}", rule="plugin-trt-minor"))
+        plugin_nodes += nodes
     blocking = [f for f in findings if f.blocking]
     return findings, {
         "trt_version": trt_version,
+        "trt_minor": trt_minor,
         "table": {"source": TABLE_SOURCE, "trt_version": TABLE_TRT_VERSION, "opset_range": list(OPSET_RANGE)},
         "opsets": opsets,
         "plugins": plugins,
         "plugin_nodes": plugin_nodes,
+        "lowering": lowering,
         "verdict": "unsupported" if blocking else "supported",
         "counts": {"blocking": len(blocking),
                    "fallback_errors": sum(f.severity == "error" and bool(f.fallback) for f in findings),
@@ -331,16 +367,23 @@ def _format(report: InspectReport) -> str:
 
 
 def _format_trt(report: InspectReport) -> list[str]:
+    from ..plugins.tensorrt_spec import MIN_TRT_VERSION
+
     trt = report.trt
     lo, hi = trt["table"]["opset_range"]
     out = [f"TensorRT {trt['trt_version']} compatibility (table: {trt['table']['source']})"]
     for name, opset in trt["opsets"].items():
         ok = opset is not None and lo <= opset <= hi
         out.append(f"  {name}: opset {opset} {'inside' if ok else 'OUTSIDE'} the tabled range {lo}-{hi}")
+    for name, low in trt.get("lowering", {}).items():
+        if low["dropped_functions"]:
+            out.append(f"  lowered {name}: dropped local functions {', '.join(low['dropped_functions'])}")
     for p in trt["plugin_nodes"]:
-        out.append(f"  plugin node {p['graph']}: {p['node']} -> {p['op']} v{p['version']} (our plugin; TensorRT must "
-                   f"have it registered, namespace = node domain on >= 10.10"
-                   f"{'; its ONNX function body is checked below as the fallback' if p['function_body'] else ''})")
+        fields = ", ".join(f"{k}={v}" for k, v in p.get("fields", {}).items())
+        out.append(f"  plugin node {p['graph']}: {p['node']} -> {p['op']} v{p['version']} (TensorRT plugin "
+                   f"{p['op'].split('::')[-1]} in namespace {p['op'].split('::')[0]}, aot=1; {fields}; needs "
+                   f"TensorRT >= {MIN_TRT_VERSION[0]}.{MIN_TRT_VERSION[1]} with "
+                   "dspark_export.plugins.tensorrt_plugins registered)")
 
     def rows_of(fs: list[Finding]) -> list[str]:
         rows = [["graph", "node", "op", "where", "reason"]]
@@ -350,17 +393,19 @@ def _format_trt(report: InspectReport) -> list[str]:
     blocking = report.blocking
     fallback = [f for f in report.findings if f.severity == "error" and f.fallback]
     warnings = [f for f in report.findings if f.severity == "warning"]
-    out.append(f"  would not parse ({len(blocking)}):")
+    out.append(f"  lowered graphs (what the TensorRT backend builds), would not parse ({len(blocking)}):")
     out += rows_of(blocking)
     by_plugin: dict[str, list[Finding]] = {}
     for f in fallback:
         by_plugin.setdefault(f.fallback, []).append(f)
-    out.append(f"  fallback: errors inside plugin ONNX function bodies ({len(fallback)}; they apply only where the "
-               "plugin is not registered, or on TensorRT 10.0-10.6, which prefer the local function):")
+    out.append(f"  canonical graphs without the lowering: errors inside the ops' ONNX function bodies "
+               f"({len(fallback)}; what TensorRT 10.0-10.6, or a later release without our plugins registered, would import; the "
+               "lowered graphs have no function bodies):")
     out += rows_of(fallback)
     out.append(f"  warnings ({len(warnings)}):")
     out += rows_of(warnings)
-    out.append(f"  verdict: {trt['verdict']} on TensorRT {trt['trt_version']} with our plugins registered "
-               f"({len(blocking)} blocking; {len(fallback)} errors in plugin function bodies, which would block "
-               f"without the plugins; {len(warnings)} warnings)")
+    out.append(f"  verdict: {trt['verdict']} on TensorRT {trt['trt_version']}.{trt.get('trt_minor', '?')} for the "
+               f"lowered graphs with our plugins registered ({len(blocking)} blocking; {len(fallback)} errors in "
+               f"the canonical graphs' function bodies, which block only without the lowering; "
+               f"{len(warnings)} warnings)")
     return out

@@ -174,7 +174,7 @@ class Manifest:
         path = root / MANIFEST_NAME
         if not root.is_dir():
             raise EngineDirError(f"{root}: expected an engine directory (built by `dspark-export build`), "
-                                 "found no such directory")
+                                 + ("found a file" if root.exists() else "found no such directory"))
         if not path.is_file():
             raise EngineDirError(f"{path}: missing; {root} is not a complete engine directory "
                                  "(an interrupted build leaves no manifest)")
@@ -210,6 +210,14 @@ class Manifest:
             value = self.data["runtime"].get(name)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise EngineDirError(f"{where}: runtime.{name}: expected a JSON {kind.__name__}, found {value!r}")
+            if kind is int and value < 1:
+                raise EngineDirError(f"{where}: runtime.{name}: expected an integer >= 1, found {value}")
+        if not self.data["engines"]:
+            raise EngineDirError(f"{where}: engines: expected at least one engine, found an empty list")
+        graph_vocab = self.data["graphs"]["target"].get("spec", {}).get("vocab_size")
+        if graph_vocab is not None and graph_vocab != self.data["runtime"]["vocab_size"]:
+            raise EngineDirError(f"{where}: runtime.vocab_size {self.data['runtime']['vocab_size']} does not match "
+                                 f"the target graph's vocab_size {graph_vocab} (graphs.target.spec)")
         block = self.data["graphs"]["drafter_block"].get("spec", {}).get("block_size")
         if self.data["runtime"]["block_size"] != block or len(self.data["runtime"]["confidence_temperature"]) != block:
             raise EngineDirError(f"{where}: runtime.block_size {self.data['runtime']['block_size']} and "

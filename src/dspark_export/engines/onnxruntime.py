@@ -5,10 +5,21 @@ target's N, the drafter block's R). The engine file (engines/onnxruntime/<graph>
 records the graph, the overrides and the session settings; building it means creating that session.
 
 Weights: every external initializer is memory-mapped once from the graph's .data file and handed
-to each session with `SessionOptions.add_initializer`, and MLAS weight prepacking is disabled
-(`session.disable_prepacking`), because prepacking gives every session a private copy of each
-MatMul weight (measured: +115 MB per session for a 113 MB weight; without prepacking the sessions
-added ~11 MB each and ran no slower on this CPU).
+to each session with `SessionOptions.add_initializer`.
+
+Prepacking (MLAS packs each constant MatMul weight into its GEMM layout once, at load):
+- A prepacked session holds a private packed copy of its weights (SmolLM2 target: +390 MB RSS).
+- Without it, every GEMM call with more than one row packs the weights again. That is the whole
+  540 MB per target pass. One-row calls use GEMV and never pack.
+- Measured on this 2-core CPU (same process, back to back, busy machine, `/tmp/prepack2.py` in the
+  session-3 notes): target B=2 205 → 102 ms, B=8 358 → 134 ms, B=16 439 → 170 ms; drafter block
+  R=1 52 → 28 ms. Target B=1 is unchanged (GEMV).
+- So the graphs in `PACKED_GRAPHS` run every bucket from its threshold up on ONE shared session
+  (`SharedSession`), with prepacking on and no free-dimension override. Only one packed copy per graph
+  is paid for. The remaining buckets (target B=1, and everything of `drafter_context` and `verify`)
+  keep a per-bucket session with prepacking off (+11 MB each).
+- `EngineSet(prepack=False)` / `Runtime.open(..., prepack=False)` returns to per-bucket sessions, with prepacking off
+  everywhere, for memory-tight hosts.
 """
 
 from __future__ import annotations
@@ -23,12 +34,14 @@ import onnx
 import onnxruntime as ort
 from onnx.external_data_helper import uses_external_data
 
-from ..errors import EngineDirError, RequestError
+from ..errors import EngineDirError
+from .runner import EngineRunner
 from .manifest import EngineKey
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightStore", "OrtRunner", "engine_spec", "session_options"]
+__all__ = ["WeightStore", "OrtRunner", "SharedSession", "engine_spec", "session_options", "PACKED_GRAPHS",
+           "uses_shared_session"]
 
 _NP = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
 
@@ -91,6 +104,16 @@ class WeightStore:
 #: graphs small enough to run on the calling thread (no intra-op pool, nothing left spinning)
 SINGLE_THREAD_GRAPHS = ("drafter_context", "verify")
 
+#: graph → smallest bucket served by the graph's shared prepacked session (see the module docstring):
+#: the target from 2 packed tokens (1 token is a GEMV), the drafter block from 1 request (γ rows)
+PACKED_GRAPHS = {"target": 2, "drafter_block": 1}
+
+
+def uses_shared_session(key: EngineKey, prepack: bool = True) -> bool:
+    """Whether the engine `key` runs on its graph's shared prepacked session."""
+    threshold = PACKED_GRAPHS.get(key.graph)
+    return prepack and threshold is not None and key.bucket >= threshold
+
 
 def thread_settings(graph: str, threads: int = 0) -> dict:
     """Intra-op threading per graph: {"intra_op_num_threads": n, "allow_spinning": bool}.
@@ -108,7 +131,8 @@ def thread_settings(graph: str, threads: int = 0) -> dict:
     return {"intra_op_num_threads": int(threads), "allow_spinning": graph == "target"}
 
 
-def session_options(overrides: Mapping[str, int], threads: int = 0, graph: str = "target") -> ort.SessionOptions:
+def session_options(overrides: Mapping[str, int], threads: int = 0, graph: str = "target",
+                    prepack: bool = False) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     settings = thread_settings(graph, threads)
@@ -116,20 +140,64 @@ def session_options(overrides: Mapping[str, int], threads: int = 0, graph: str =
     if not settings["allow_spinning"]:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
     for dim, value in overrides.items():
         so.add_free_dimension_override_by_name(dim, int(value))
     return so
 
 
 def engine_spec(key: EngineKey, graph_rel: str) -> dict:
-    """The JSON written to engines/onnxruntime/<key>.json."""
-    return {"key": key.to_dict(), "graph": graph_rel, "free_dimension_overrides": {key.dim: key.bucket},
-            "graph_optimization_level": "ORT_ENABLE_ALL", "session_config": {"session.disable_prepacking": "1"},
+    """The JSON written to engines/onnxruntime/<key>.json (what the runtime does with prepacking on)."""
+    shared = uses_shared_session(key)
+    return {"key": key.to_dict(), "graph": graph_rel,
+            "session": f"shared-prepacked:{key.graph}" if shared else "per-bucket",
+            "free_dimension_overrides": {} if shared else {key.dim: key.bucket},
+            "graph_optimization_level": "ORT_ENABLE_ALL",
+            "session_config": {"session.disable_prepacking": "0" if shared else "1"},
             "threads": thread_settings(key.graph), "providers": ["CPUExecutionProvider"]}
 
 
-class OrtRunner:
+class SharedSession:
+    """One prepacked, shape-dynamic session of a graph, shared by the runners of its larger buckets.
+
+    Created on first use, freed when the last runner using it deactivates.
+
+    Args:
+        graph_path (Path): the canonical graph.
+        graph (str): its name (threading settings).
+        weights (WeightStore): shared raw weights (the session adds its own packed copy).
+        threads (int): intra-op threads; 0 = ORT's choice.
+    """
+
+    def __init__(self, graph_path: Path, graph: str, weights: "WeightStore", threads: int = 0):
+        self.graph_path, self.graph, self.weights, self.threads = Path(graph_path), graph, weights, threads
+        self.session: ort.InferenceSession | None = None
+        self._users = 0
+
+    def acquire(self) -> ort.InferenceSession:
+        if self.session is None:
+            self.session = _create_session(self.graph_path, session_options({}, self.threads, self.graph, prepack=True),
+                                           self.weights, f"the shared prepacked {self.graph} session")
+        self._users += 1
+        return self.session
+
+    def release(self) -> None:
+        self._users = max(0, self._users - 1)
+        if self._users == 0:
+            self.session = None
+
+
+def _create_session(graph_path: Path, so: ort.SessionOptions, weights: "WeightStore", what: str):
+    for name in weights.names_for(graph_path):
+        so.add_initializer(name, weights.value(name))
+    try:
+        return ort.InferenceSession(str(graph_path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types
+        raise EngineDirError(f"{graph_path}: ONNX Runtime could not load the graph for {what} "
+                             f"({type(e).__name__}: {e})") from e
+
+
+class OrtRunner(EngineRunner):
     """Runs one engine. A context manager: `activate` creates the session, `deactivate` frees it.
 
     Args:
@@ -137,40 +205,35 @@ class OrtRunner:
         key (EngineKey): which bucket this engine serves (its dim is fixed to key.bucket).
         weights (WeightStore): shared weights.
         threads (int): intra-op threads; 0 lets ORT choose (all cores). Defaults to 0.
+        shared (SharedSession | None): run on this shared prepacked session instead of an own
+            per-bucket one (the feed is still padded to the bucket by the runtime).
     """
 
-    def __init__(self, graph_path: Path, key: EngineKey, weights: WeightStore, threads: int = 0):
+    def __init__(self, graph_path: Path, key: EngineKey, weights: WeightStore, threads: int = 0,
+                 shared: SharedSession | None = None):
         self.graph_path, self.key, self.weights, self.threads = Path(graph_path), key, weights, threads
+        self.shared = shared
         self.session: ort.InferenceSession | None = None
         self.last_latency_ms = 0.0
         self._meta: dict[str, tuple[type, int]] = {}
 
     def activate(self) -> "OrtRunner":
         if self.session is None:
-            so = session_options({self.key.dim: self.key.bucket}, self.threads, self.key.graph)
-            for name in self.weights.names_for(self.graph_path):
-                so.add_initializer(name, self.weights.value(name))
-            try:
-                self.session = ort.InferenceSession(str(self.graph_path), so, providers=["CPUExecutionProvider"])
-            except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types
-                raise EngineDirError(f"{self.graph_path}: ONNX Runtime could not load the graph for engine "
-                                     f"{self.key.path} ({type(e).__name__}: {e})") from e
+            if self.shared is not None:
+                self.session = self.shared.acquire()
+            else:
+                self.session = _create_session(self.graph_path,
+                                               session_options({self.key.dim: self.key.bucket}, self.threads,
+                                                               self.key.graph),
+                                               self.weights, f"engine {self.key.path}")
             self._meta = {i.name: (_NP[i.type], len(i.shape)) for i in self.session.get_inputs()}
             self._outputs = [o.name for o in self.session.get_outputs()]
         return self
 
     def deactivate(self) -> None:
+        if self.session is not None and self.shared is not None:
+            self.shared.release()
         self.session = None
-
-    def __enter__(self):
-        return self.activate()
-
-    def __exit__(self, *exc):
-        self.deactivate()
-
-    def input_metadata(self) -> dict[str, tuple[type, int]]:
-        """{input name: (numpy dtype, rank)}."""
-        return dict(self._meta)
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the engine. Checks names, dtypes and ranks first; records `last_latency_ms`.
@@ -180,14 +243,7 @@ class OrtRunner:
         """
         if self.session is None:
             self.activate()
-        if set(feed) != set(self._meta):
-            raise RequestError(f"engine {self.key.path}: inputs expected {sorted(self._meta)}, "
-                               f"found {sorted(feed)}")
-        for name, (dtype, rank) in self._meta.items():
-            arr = feed[name]
-            if arr.dtype != dtype or arr.ndim != rank:
-                raise RequestError(f"engine {self.key.path}: input {name!r} expected {np.dtype(dtype)} of rank "
-                                   f"{rank}, found {arr.dtype} of shape {arr.shape}")
+        self.check_feed(feed)
         t0 = time.perf_counter()
         values = self.session.run(self._outputs, dict(feed))
         self.last_latency_ms = (time.perf_counter() - t0) * 1e3

@@ -23,7 +23,7 @@ import onnxruntime as ort
 from .engine_set import EngineSet
 from .packing import Segment, pack_segments
 
-__all__ = ["measure_profile", "time_runner"]
+__all__ = ["measure_profile", "time_runner", "engine_feed"]
 
 
 def time_runner(runner, feed: dict, warmup: int, repeats: int) -> dict:
@@ -67,6 +67,45 @@ def _block_feed(spec: dict, num: int, context_len: int, block: int) -> dict:
             "confidence_temperature": np.ones(block, np.float32)}
 
 
+def engine_feed(graphs: dict, graph: str, bucket: int, context_len: int, seed: int = 0) -> dict:
+    """A feed for `graph`'s engine of `bucket`, shaped as the runtime shapes it (the profiler's layouts).
+
+    target: a verification batch (see the module docstring); drafter_block: R requests at `context_len`;
+    drafter_context: N random feature rows; verify: R requests verifying γ drafts each against random
+    logits, greedy. `graphs` is the manifest's `graphs` section. Values are seeded (`seed`).
+    """
+    block = graphs["drafter_block"]["spec"]["block_size"]
+    rng = np.random.default_rng(seed)
+    if graph == "target":
+        feed = _target_feed(graphs["target"]["spec"], bucket, context_len, block)
+        vocab = graphs["target"]["spec"]["vocab_size"]
+        feed["input_ids"] = rng.integers(0, vocab, feed["input_ids"].shape).astype(np.int64)
+        for name in feed:
+            if name.startswith("past_"):
+                feed[name] = rng.normal(0, 1, feed[name].shape).astype(np.float32)
+        return feed
+    if graph == "drafter_block":
+        feed = _block_feed(graphs["drafter_block"]["spec"], bucket, context_len, block)
+        for name in feed:
+            if name.startswith(("context_key.", "context_value.")):   # not context_lens
+                feed[name] = rng.normal(0, 1, feed[name].shape).astype(np.float32)
+        return feed
+    if graph == "drafter_context":
+        spec = graphs["drafter_block"]["spec"]
+        return {"aux_hidden": rng.normal(0, 1, (bucket, spec["feature_size"])).astype(np.float32),
+                "position_ids": (context_len + np.arange(bucket)).astype(np.int64)}
+    if graph == "verify":
+        vocab = graphs["target"]["spec"]["vocab_size"]
+        lens = np.full(bucket, block, np.int64)
+        return {"target_logits": rng.normal(0, 2, (bucket * (block + 1), vocab)).astype(np.float32),
+                "query_start": (np.arange(bucket + 1) * (block + 1)).astype(np.int64),
+                "draft_ids": rng.integers(0, vocab, (bucket, block)).astype(np.int64),
+                "draft_logits": rng.normal(0, 2, (bucket, block, vocab)).astype(np.float32),
+                "verify_lens": lens, "temperature": np.zeros(bucket, np.float32), "top_k": np.zeros(bucket, np.int64),
+                "top_p": np.ones(bucket, np.float32), "uniforms": rng.random((bucket, block + 1), dtype=np.float32)}
+    raise ValueError(f"engine_feed: unknown graph {graph!r}")
+
+
 def _check_monotone(rows: list[dict], dim: str) -> list[str]:
     """Latency should not fall as the bucket grows; flag drops beyond the spread."""
     warnings = []
@@ -108,9 +147,9 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
     return {
         "context_len": context_len, "block_size": block, "warmup": warmup, "repeats": repeats,
         "layout": "R = ceil(B/(block_size+1)) requests, each verifying up to block_size+1 rows, logits for every row",
-        "device": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-                   "backend": "onnxruntime", "onnxruntime": ort.__version__,
-                   "providers": ["CPUExecutionProvider"]},
+        "device": engines.device_info() if hasattr(engines, "device_info") else
+        {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+         "backend": "onnxruntime", "onnxruntime": ort.__version__, "providers": ["CPUExecutionProvider"]},
         "target": rows_t, "drafter_block": rows_d,
         "warnings": _check_monotone(rows_t, "B") + _check_monotone(rows_d, "R"),
     }

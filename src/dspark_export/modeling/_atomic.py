@@ -23,6 +23,19 @@ def staging_dir(final: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
 
 
+def _ordinary_permissions(folder: Path) -> None:
+    """mkdtemp makes 0700 folders and some writers (safetensors) 0600 files; give the installed folder
+    the permissions plain mkdir/open would have (0777/0666 less the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~mask)
+
+
 def install_dir(staging: Path, final: Path) -> None:
     """Rename ``staging`` to ``final``, replacing an existing ``final`` folder.
 
@@ -32,6 +45,7 @@ def install_dir(staging: Path, final: Path) -> None:
     Raises:
         OSError: the rename failed (``staging`` is left for the caller to remove).
     """
+    _ordinary_permissions(staging)
     aside = None
     if final.exists():
         aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))

@@ -33,12 +33,14 @@ from ..engines.packing import Segment, pack_segments
 from ..errors import EngineDirError, EngineRunError, RequestError
 from .kv_cache import KVCache
 from .policies import Policy
-from .request import GenerationResult, SamplingParams
-from .scheduler import ThroughputProfile
+from .request import GREEDY_BELOW, GenerationResult, SamplingParams
+from .scheduler import ThroughputProfile, dspark_async_capacity
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Generator"]
+
+_MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps between drafter probes
 
 
 def _load_profile(engines: EngineSet) -> ThroughputProfile:
@@ -124,6 +126,8 @@ class Generator:
                              self.max_tokens // (self.block_size + 1))
         self.profile = _load_profile(engines) if policy.needs_profile else None
         self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
+        self._skipped, self._probe_interval = 0, _MIN_PROBE_INTERVAL  # dspark-async drafter skipping
+        self.drafts_skipped = 0  # steps whose drafter block was skipped (dspark-async), for benchmarks
         self._lock = threading.Lock()
         self._waiting: deque[_State] = deque()
         self._cancel_marked: list[_State] = []
@@ -163,7 +167,8 @@ class Generator:
         stop_ids = frozenset(int(t) for t in params.stop_token_ids
                              if isinstance(t, (int, np.integer))) if isinstance(params.stop_token_ids, tuple) else ()
         state = _State(index, prompt_ids, params,
-                       np.random.default_rng([seed if seed is not None else np.random.SeedSequence().entropy, index]),
+                       # a seeded request owns the stream of its seed alone, so it reproduces in any batch
+                       np.random.default_rng(seed if seed is not None else [np.random.SeedSequence().entropy, index]),
                        self.eos_ids | frozenset(stop_ids), result, on_token)
         self._requests[index] = state
         try:
@@ -259,6 +264,9 @@ class Generator:
         if len(ids) + 1 > self.max_context:
             raise RequestError(f"prompt: {len(ids)} tokens exceed the engine's context capacity "
                                f"{self.max_context} (prompt + at least 1 generated token)")
+        bad_stops = [int(t) for t in p.stop_token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad_stops:
+            raise RequestError(f"stop_token_ids: token ids must be in [0, {self.vocab_size}), found {bad_stops[:5]}")
 
     def _admit(self) -> None:
         with self._lock:
@@ -358,7 +366,8 @@ class Generator:
         request or cache (only the requests' random streams advance)."""
         decoding = [s for s in active if s.decoding]
         failed: dict[int, str] = {}
-        drafts = self._draft(decoding) if self.policy.drafts and decoding else None
+        drafts = self._draft(decoding) if self.policy.drafts and decoding and not self._skip_drafting(decoding) \
+            else None
         if drafts is not None:
             failed.update(self._check_drafts(drafts, decoding))
             decoding = [s for s in decoding if s.slot not in failed]
@@ -395,6 +404,32 @@ class Generator:
         if keep:
             rnd.commit = self._commit_rows(packed, out, keep, failed)
         return rnd
+
+    def _skip_drafting(self, decoding: list[_State]) -> bool:
+        """dspark-async with a known drafter cost: skip the drafter block when the capacity K* from earlier
+        confidences is 0 (nothing would be verified, `scheduler.dspark_async_capacity`).
+
+        Skipping gives no new confidences, so every `probe_interval` skipped steps the history is cleared:
+        the next steps draft again (Algorithm 1 on fresh confidences, then K* from them). The interval
+        doubles after each probe that ends in another skip (4, 8, ..., 64 steps) and drops back to 4 when
+        drafting pays again. The drafter context keeps growing with every committed token either way
+        (`_commit_rows` / `_apply`), so a skipped block never leaves the drafter state stale (failure case
+        SD-20). This is scheduling bookkeeping, not request state: a step retried after an engine error may
+        count a skip twice, which only moves the next probe earlier.
+        """
+        if self.policy.name != "dspark-async" or self.profile is None or not self.profile.has_draft_cost \
+                or len(self._history) < 2:
+            return False
+        if self._skipped >= self._probe_interval:
+            self._history, self._skipped = [], 0
+            self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
+            return False
+        if dspark_async_capacity(self._history[0], len(decoding), self.profile) > 0:
+            self._probe_interval = _MIN_PROBE_INTERVAL
+            return False
+        self._skipped += 1
+        self.drafts_skipped += 1
+        return True
 
     def _apply(self, rnd: "_Round") -> None:
         """Commit a computed step: caches, prefill progress, tokens, failures."""
@@ -598,7 +633,9 @@ class Generator:
         top_k = np.zeros(self.num_slots, np.int64)
         top_p = np.ones(self.num_slots, np.float32)
         for s in states:
-            temp[s.slot], top_k[s.slot], top_p[s.slot] = s.params.temperature, s.params.top_k, s.params.top_p
+            t = s.params.temperature
+            temp[s.slot] = t if t >= GREEDY_BELOW else 0.0     # l / 1e-39 overflows: such a T is greedy
+            top_k[s.slot], top_p[s.slot] = s.params.top_k, s.params.top_p
         return {"temperature": temp, "top_k": top_k, "top_p": top_p}
 
     def _draft(self, active: list[_State]) -> dict[str, np.ndarray]:

@@ -9,9 +9,12 @@ import numpy as np
 
 from ..errors import RequestError
 
-__all__ = ["SamplingParams", "RequestStats", "GenerationResult", "MAX_NEW_TOKENS_LIMIT"]
+__all__ = ["SamplingParams", "RequestStats", "GenerationResult", "MAX_NEW_TOKENS_LIMIT", "GREEDY_BELOW"]
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+#: temperatures in (0, GREEDY_BELOW) decode greedily: logits / T overflows float32 long before T reaches 0
+#: (vLLM treats T < 1e-5 the same way)
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -20,10 +23,11 @@ class SamplingParams:
 
     Attributes:
         max_new_tokens: generated tokens at most (exactly this many unless a stop id comes first).
-        temperature: 0 = greedy; otherwise softmax(logits / temperature).
+        temperature: 0 = greedy (as is any T < GREEDY_BELOW = 1e-5); otherwise softmax(logits / temperature).
         top_k: keep the k most likely tokens; 0 = off.
         top_p: nucleus mass in (0, 1]; 1 = off.
-        seed: seeds this request's uniforms (np.random.default_rng([seed, index])); None = random.
+        seed: seeds this request's uniforms (np.random.default_rng(seed)): the same seed, prompt and
+            parameters give the same output in any batch; None = random.
         stop_token_ids: extra stop ids on top of the engine's EOS ids.
         stop: stop strings. The request ends at the first committed token whose decoded output
             contains one (checked token by token, also inside an accepted block); `token_ids` keep

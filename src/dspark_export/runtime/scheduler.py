@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ProfileError
 
 __all__ = ["ThroughputProfile", "survival_probs", "expected_throughput", "search_capacity",
-           "top_k_lengths", "dspark_lengths", "dspark_async_lengths"]
+           "top_k_lengths", "dspark_lengths", "dspark_async_lengths", "dspark_async_capacity"]
 
 
 @dataclass(frozen=True)
@@ -44,18 +44,31 @@ class ThroughputProfile:
     measured staircase can have a larger bucket that runs faster); a B beyond the largest bucket
     cannot run and has SPS 0.
 
+    Drafter cost (optional): where the drafter's block latency per request bucket is known
+    (`draft_requests`, `draft_ms`, from sps.json's `drafter_block` rows), a step's time is the target
+    pass plus the drafter block, 1/SPS(B) + d(R), and the policies maximise τ / (1/SPS(B) + d(R))
+    instead of τ·SPS(B). Why: the paper's drafter is cheap next to a GPU target, so its SPS(B) is the
+    step rate; on a CPU the drafter block can cost half a target pass (SmolLM2: 16 ms vs 26 ms at R=1)
+    and deciding without it admits drafts that cost more than they return. Without drafter rows the
+    formulas are the paper's, bit for bit.
+
     Args:
         buckets: bucket sizes B in tokens, strictly increasing, each ≥ 1.
         steps_per_s: SPS of each bucket in steps/s, each > 0 and finite.
+        draft_requests: request buckets R of the drafter block, strictly increasing, each ≥ 1 (optional).
+        draft_ms: the drafter block's latency at each of them, ms, each ≥ 0 and finite.
     Raises:
         ProfileError: empty table, unsorted or duplicate buckets, non-positive SPS, length mismatch.
     """
 
     buckets: tuple[int, ...]
     steps_per_s: tuple[float, ...]
+    draft_requests: tuple[int, ...] = ()
+    draft_ms: tuple[float, ...] = ()
     _b: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
     _dense: np.ndarray = field(init=False, repr=False, compare=False)
+    _draft_r: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         b = np.asarray(self.buckets, np.int64)
@@ -67,6 +80,14 @@ class ThroughputProfile:
             raise ProfileError(f"profile: buckets must be ≥ 1 and strictly increasing, found {list(self.buckets)}")
         if not np.all(np.isfinite(s) & (s > 0)):
             raise ProfileError(f"profile: SPS must be finite and > 0, found {list(self.steps_per_s)}")
+        d_r = np.asarray(self.draft_requests, np.int64)
+        d_ms = np.asarray(self.draft_ms, np.float64)
+        if d_r.shape != d_ms.shape or d_r.ndim != 1 or (d_r.size and (d_r[0] < 1 or np.any(np.diff(d_r) <= 0))) \
+                or not np.all(np.isfinite(d_ms) & (d_ms >= 0)):
+            raise ProfileError(f"profile: drafter rows must pair strictly increasing request buckets ≥ 1 with "
+                               f"finite latencies ≥ 0 ms, found {list(self.draft_requests)} and {list(self.draft_ms)}")
+        object.__setattr__(self, "draft_requests", tuple(int(x) for x in d_r))
+        object.__setattr__(self, "draft_ms", tuple(float(x) for x in d_ms))
         object.__setattr__(self, "buckets", tuple(int(x) for x in b))
         object.__setattr__(self, "steps_per_s", tuple(float(x) for x in s))
         # Padded lookup table: index len(b) (beyond the largest bucket) reads SPS 0.
@@ -76,10 +97,12 @@ class ThroughputProfile:
         # SPS for every B = 0..max+1 (the last entry, 0, stands for every B beyond the largest bucket), so
         # the scheduler reads SPS(R..R+n) as one slice instead of a search per step.
         object.__setattr__(self, "_dense", self._s[np.searchsorted(b, np.arange(b[-1] + 2), side="left")])
+        object.__setattr__(self, "_draft_r", d_r)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "ThroughputProfile":
-        """Build from the sps.json object: its `target` rows {"B", "median_ms", "p10_ms", "p90_ms", "sps"}.
+    def from_json(cls, data: Mapping[str, Any], use_drafter: bool = True) -> "ThroughputProfile":
+        """Build from the sps.json object: its `target` rows {"B", "median_ms", "p10_ms", "p90_ms", "sps"}
+        and, with `use_drafter`, its `drafter_block` rows {"R", "median_ms", ...} (the drafter cost).
 
         Raises:
             ProfileError: no `target` rows, a row without integer `B` or numeric `sps`.
@@ -91,7 +114,27 @@ class ThroughputProfile:
             pairs = sorted((int(row["B"]), float(row["sps"])) for row in rows)
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"profile: every 'target' row needs an integer 'B' and a numeric 'sps' ({e!r})") from e
-        return cls(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+        drafts = data.get("drafter_block") or []
+        try:
+            dpairs = sorted((int(row["R"]), float(row["median_ms"])) for row in drafts) if use_drafter else []
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"profile: every 'drafter_block' row needs an integer 'R' and a numeric "
+                               f"'median_ms' ({e!r})") from e
+        return cls(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs),
+                   tuple(p[0] for p in dpairs), tuple(p[1] for p in dpairs))
+
+    @property
+    def has_draft_cost(self) -> bool:
+        """Whether the drafter block's latency is known (the policies then count it in the step time)."""
+        return bool(self.draft_requests)
+
+    def draft_seconds(self, num_requests: int) -> float:
+        """d(R): the drafter block's latency for R requests, s (the smallest drafter bucket ≥ R; the
+        largest one beyond it; 0 without drafter rows)."""
+        if not self.draft_requests:
+            return 0.0
+        i = min(int(np.searchsorted(self._draft_r, num_requests, side="left")), len(self.draft_ms) - 1)
+        return self.draft_ms[i] / 1000.0
 
     @property
     def max_tokens(self) -> int:
@@ -160,16 +203,31 @@ def _sorted_candidates(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order[:n], ranked[:n]
 
 
-def _throughputs(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile) -> np.ndarray:
-    """Θ_k = (R + Σ_{i ≤ k} ranked_i) · SPS(R + k) for k = 0..n, as [n+1] float64."""
+def _throughputs(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile,
+                 draft_at_zero: bool = True) -> np.ndarray:
+    """Θ_k for k = 0..n, as [n+1] float64, τ_k = R + Σ_{i ≤ k} ranked_i:
+
+    without drafter cost, Θ_k = τ_k · SPS(R + k) (paper Algorithm 1);
+    with it, Θ_k = τ_k / (1/SPS(R + k) + d(R)), where k = 0 pays d(R) only if `draft_at_zero` (the
+    drafts already exist: Algorithm 1's cost is sunk) and not when the step may skip the drafter.
+    """
     tau = np.empty(ranked.size + 1)
     tau[0] = 0.0
     np.cumsum(ranked, out=tau[1:])
     tau += num_requests
-    return tau * profile.sps_range(num_requests, ranked.size + 1)
+    sps = profile.sps_range(num_requests, ranked.size + 1)
+    if not profile.has_draft_cost:
+        return tau * sps
+    with np.errstate(divide="ignore"):
+        step_s = np.where(sps > 0, 1.0 / np.where(sps > 0, sps, 1.0), np.inf)
+    draft = np.full(step_s.shape, profile.draft_seconds(num_requests))
+    if not draft_at_zero:
+        draft[0] = 0.0
+    return tau / (step_s + draft)
 
 
-def search_capacity(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile, early_stop: bool) -> int:
+def search_capacity(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile, early_stop: bool,
+                    draft_at_zero: bool = True) -> int:
     """The number K of ranked candidates to admit.
 
     early_stop=True (Algorithm 1): K = the last k before the first k with Θ_k ≤ Θ_{k-1}.
@@ -178,11 +236,12 @@ def search_capacity(ranked: np.ndarray, num_requests: int, profile: ThroughputPr
     Args:
         ranked: [n] float64 survivals sorted descending.
         num_requests: R (anchor rows, each worth one expected token).
-        profile: SPS(B).
+        profile: SPS(B), with the drafter cost d(R) where known.
+        draft_at_zero: whether K = 0 still pays the drafter (see `_throughputs`).
     Returns:
         K in 0..n.
     """
-    theta = _throughputs(ranked, num_requests, profile)
+    theta = _throughputs(ranked, num_requests, profile, draft_at_zero)
     if not early_stop:
         return int(np.argmax(theta))
     stops = np.flatnonzero(theta[1:] <= theta[:-1])   # k - 1 for every non-improving k
@@ -196,6 +255,7 @@ def top_k_lengths(order: np.ndarray, num_requests: int, k: int) -> np.ndarray:
 
 def expected_throughput(confidence: np.ndarray, lengths: np.ndarray, profile: ThroughputProfile) -> float:
     """Θ = τ · SPS(B) of an allocation, τ = Σ_r (1 + Σ_{j ≤ ℓ_r} a[r, j]), B = Σ_r (1 + ℓ_r); tokens/s.
+    With the drafter cost known: Θ = τ / (1/SPS(B) + d(R)) (the drafts were made).
 
     Args:
         confidence: [R, γ] float32 conditional confidences.
@@ -205,7 +265,11 @@ def expected_throughput(confidence: np.ndarray, lengths: np.ndarray, profile: Th
     a = survival_probs(confidence)
     lengths = np.asarray(lengths)
     taken = np.arange(a.shape[1])[None, :] < lengths[:, None]
-    return float((a.shape[0] + a[taken].sum()) * profile.sps(int(a.shape[0] + lengths.sum())))
+    tau = a.shape[0] + a[taken].sum()
+    sps = profile.sps(int(a.shape[0] + lengths.sum()))
+    if not profile.has_draft_cost:
+        return float(tau * sps)
+    return float(tau / (1.0 / sps + profile.draft_seconds(a.shape[0]))) if sps > 0 else 0.0
 
 
 def dspark_lengths(confidence: np.ndarray, profile: ThroughputProfile,
@@ -267,7 +331,24 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
     if lagged_confidence is None:
         return dspark_lengths(confidence, profile, max_lengths)
     a = survival_probs(confidence, max_lengths)
-    lagged = np.sort(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")).ravel())[::-1]
-    k = search_capacity(lagged[lagged > 0], a.shape[0], profile, early_stop=False)
+    k = dspark_async_capacity(lagged_confidence, a.shape[0], profile)
     order, _ = _sorted_candidates(a)
     return top_k_lengths(order, a.shape[0], k)
+
+
+def dspark_async_capacity(lagged_confidence: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
+    """K* = argmax_K Θ(K) over the lagged survivals, no early stop (paper §5.2; see `dspark_async_lengths`).
+
+    With the drafter cost known, K = 0 is priced without the drafter block (a step that verifies no
+    drafts need not draft), so K* = 0 tells the runtime it may skip drafting this step: the decision
+    depends on earlier steps only, so skipping keeps the step non-anticipating.
+
+    Args:
+        lagged_confidence: [R', γ'] float32 confidences of an earlier step, in [0, 1].
+        num_requests: R, requests in the current step.
+        profile: SPS(B), with d(R) where known.
+    Returns:
+        K* ≥ 0, the number of draft positions to verify this step.
+    """
+    lagged = np.sort(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")).ravel())[::-1]
+    return search_capacity(lagged[lagged > 0], num_requests, profile, early_stop=False, draft_at_zero=False)

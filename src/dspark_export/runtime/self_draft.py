@@ -16,6 +16,7 @@ import numpy as np
 
 from ..engines.packing import Segment, pack_segments
 from ..plugins.common import sample_from_probs, warp_probs
+from .request import GREEDY_BELOW
 
 __all__ = ["TargetDrafter"]
 
@@ -78,7 +79,8 @@ class TargetDrafter:
                     kv.values[layer][s.slot, :, pos] = out[f"new_value.{layer}"][row]
                 p = s.params
                 row_logits = out["logits"][lrow][None]
-                probs = warp_probs(row_logits, np.array([p.temperature], np.float32), np.array([p.top_k], np.int64),
+                t = p.temperature if p.temperature >= GREEDY_BELOW else 0.0   # as Generator._sampling_feed
+                probs = warp_probs(row_logits, np.array([t], np.float32), np.array([p.top_k], np.int64),
                                    np.array([p.top_p], np.float32))
                 x = int(sample_from_probs(probs, uniforms[s.slot][j:j + 1])[0])
                 ids[s.slot, j], logits[s.slot, j], conf[s.slot, j] = x, row_logits[0], 1.0

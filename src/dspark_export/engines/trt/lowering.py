@@ -1,0 +1,303 @@
+"""Lowering of the canonical graphs to the form TensorRT's ONNX parser builds: ``dspark`` nodes become plugins.
+
+The canonical graphs (docs/ARCHITECTURE.md, "Canonical graphs") carry each ``dspark`` op as a custom node
+plus its ONNX function body, so ONNX Runtime runs them unaided. TensorRT must instead run the op as a
+plugin (``plugins/tensorrt_plugins.py``; the function bodies hold a full-vocabulary TopK and an int64
+CumSum that TensorRT 10 does not import). The lowering, per ``dspark`` node:
+
+- keeps op type and domain (= plugin name and namespace, ``plugins/tensorrt_spec.py``) and the node name;
+- feeds every schema input in order, an absent optional input (MarkovDraft without Markov or confidence
+  weights) as a one-element zero placeholder initializer, because the parser hands an empty input to
+  the plugin as a null tensor;
+- writes the plugin attributes: ``plugin_namespace``, ``plugin_version``, ``aot`` = 1, and the plugin
+  fields (``has_markov`` / ``has_confidence`` from which optional inputs are present, ``block_v``,
+  ``num_probes``), and drops the ONNX overload tag;
+- declares each output's type and shape (``value_info``) from the plugin's output rules, since ONNX shape
+  inference knows nothing of a plugin node.
+
+The ops' local functions are dropped (a plugin is then the only way to import the node). Every other node
+is kept as it is: TensorRT 10 imports the rest of our graphs as they are (int64 is native since TensorRT
+9.0; ``inspect --trt-compat`` checks every node against the 10.15 operator table), and the target's
+attention stays in standard ops: TensorRT 11's ``TRT_Attention`` custom op refuses ``past_key`` /
+``past_value`` with packed queries (peers_and_apis.md §2.3), and our target reads a persistent KV cache
+with per-request lengths, so there is nothing it could replace without changing the graph contract.
+
+The result is checked with ``onnx.checker.check_model(full_check=True)`` and strict ONNX shape
+inference, and the inferred types and shapes of every plugin output must equal the declared ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ...errors import BuildError, PluginError
+from ...plugins.common import DOMAIN
+from ...plugins.tensorrt_spec import PLUGIN_NAMESPACE, PLUGIN_SPECS, PLUGIN_VERSION, PluginSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LoweredGraph", "lower_model", "lower_file", "PLACEHOLDER_PREFIX", "LOWERED_SUFFIX"]
+
+PLACEHOLDER_PREFIX = "dspark_trt.absent."
+"""Name prefix of the placeholder initializers fed to absent optional plugin inputs."""
+LOWERED_SUFFIX = ".trt.onnx"
+"""A lowered graph is written next to its canonical graph as ``<name>.trt.onnx`` (same external data file)."""
+#: the node attributes the parser reads besides the plugin fields
+PARSER_ATTRIBUTES = ("plugin_namespace", "plugin_version", "aot")
+
+
+@dataclasses.dataclass
+class LoweredGraph:
+    """One lowered graph and what the lowering did to it.
+
+    Attributes:
+        name: the graph's name in the engine directory (``target``, ``drafter_block``, ...).
+        model: the lowered model (weights stay where they were: external data is not loaded).
+        plugin_nodes: per plugin node {"node", "plugin", "fields", "placeholders", "outputs"}.
+        dropped_functions: ``domain::name[overload]`` of every local function removed.
+    """
+
+    name: str
+    model: onnx.ModelProto
+    plugin_nodes: list[dict] = dataclasses.field(default_factory=list)
+    dropped_functions: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.plugin_nodes or self.dropped_functions)
+
+    def summary(self) -> dict:
+        return {"graph": self.name, "plugin_nodes": self.plugin_nodes, "dropped_functions": self.dropped_functions}
+
+
+def _shape_of(vi: onnx.ValueInfoProto) -> tuple | None:
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        return None
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+
+
+def _known_shapes(model: onnx.ModelProto, name: str) -> dict[str, tuple]:
+    """Shapes of every value of the top-level graph, from the declared I/O and ONNX shape inference."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
+        raise BuildError(f"{name}: ONNX shape inference of the canonical graph failed ({e})") from e
+    shapes = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        shape = _shape_of(vi)
+        if shape is not None:
+            shapes[vi.name] = shape
+    for init in inferred.graph.initializer:
+        shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def _fields_from_node(spec: PluginSpec, node: onnx.NodeProto, present: set[str], graph: str,
+                      overrides: Mapping[str, int]) -> dict[str, int]:
+    values = dict(overrides)
+    if spec.name == "MarkovDraft":
+        pairs = {"has_markov": ("markov_w1", "markov_w2"), "has_confidence": ("confidence_weight", "confidence_bias")}
+        for field, (a, b) in pairs.items():
+            if (a in present) != (b in present):
+                given, lacking = (a, b) if a in present else (b, a)
+                raise BuildError(f"{graph}: node {node.name!r} ({DOMAIN}::{spec.name}) feeds {given} without "
+                                 f"{lacking}; the pair is both-or-neither")
+            values[field] = int(a in present)
+        if node.overload:
+            parts = set(node.overload.split("_"))
+            if ("markov" in parts) != bool(values["has_markov"]) or ("conf" in parts) != bool(values["has_confidence"]):
+                raise BuildError(f"{graph}: node {node.name!r}: overload {node.overload!r} disagrees with its inputs "
+                                 f"(has_markov={values['has_markov']}, has_confidence={values['has_confidence']})")
+    try:
+        return spec.check_fields(values)
+    except PluginError as e:
+        raise BuildError(f"{graph}: node {node.name!r}: {e}") from e
+
+
+def _placeholder(input_name: str, rank: int) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.zeros((1,) * rank, np.float32), PLACEHOLDER_PREFIX + input_name)
+
+
+def lower_model(model: onnx.ModelProto, name: str = "model", *,
+                fields: Mapping[str, Mapping[str, int]] | None = None, check: bool = True) -> LoweredGraph:
+    """The TensorRT form of ``model`` (see the module docstring); ``model`` is not modified.
+
+    Args:
+        model: a canonical graph, loaded with or without its external data.
+        name: the graph's name, for messages and the report.
+        fields: per op type, plugin field values to use instead of the defaults (``block_v``, ``num_probes``).
+        check: run the ONNX checker and strict shape inference on the result (default True).
+    Returns:
+        LoweredGraph; a graph without ``dspark`` nodes comes back unchanged (``changed`` False).
+    Raises:
+        BuildError: a ``dspark`` node with no plugin, nested in a subgraph, missing a required input, with
+            half an optional pair, or the lowered graph fails the checker or shape inference.
+    """
+    fields = {k: dict(v) for k, v in (fields or {}).items()}
+    unknown = sorted(set(fields) - set(PLUGIN_SPECS))
+    if unknown:
+        raise BuildError(f"{name}: plugin fields given for unknown ops {unknown}; plugins: {sorted(PLUGIN_SPECS)}")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    result = LoweredGraph(name, out)
+    _refuse_nested(out.graph, name, top=True)
+    if not any(n.domain == DOMAIN for n in out.graph.node):
+        return result
+    shapes = _known_shapes(model, name)
+    declared = {vi.name for vi in [*out.graph.output, *out.graph.value_info]}
+    placeholders: dict[str, onnx.TensorProto] = {}
+    new_nodes = []
+    for node in out.graph.node:
+        if node.domain != DOMAIN:
+            new_nodes.append(node)
+            continue
+        spec = PLUGIN_SPECS.get(node.op_type)
+        if spec is None:
+            raise BuildError(f"{name}: node {node.name!r} is {DOMAIN}::{node.op_type}, which has no TensorRT plugin "
+                             f"(plugins: {sorted(PLUGIN_SPECS)})")
+        schema_inputs = spec.schema.input_names
+        if len(node.input) > len(schema_inputs):
+            raise BuildError(f"{name}: node {node.name!r} has {len(node.input)} inputs, {spec.plugin_id} takes "
+                             f"{len(schema_inputs)}")
+        given = dict(zip(schema_inputs, node.input))
+        present = {k for k, v in given.items() if v}
+        missing = [s.name for s in spec.schema.inputs if not s.optional and s.name not in present]
+        if missing:
+            raise BuildError(f"{name}: node {node.name!r} ({spec.plugin_id}) lacks required inputs {missing}")
+        node_fields = _fields_from_node(spec, node, present, name, fields.get(spec.name, {}))
+        inputs, used_placeholders = [], []
+        for input_name in schema_inputs:
+            if input_name in present:
+                inputs.append(given[input_name])
+                continue
+            if input_name not in spec.placeholders:
+                raise BuildError(f"{name}: node {node.name!r}: input {input_name!r} is absent and has no placeholder")
+            tensor = placeholders.setdefault(input_name, _placeholder(input_name, spec.placeholders[input_name]))
+            inputs.append(tensor.name)
+            used_placeholders.append(input_name)
+        lowered = helper.make_node(node.op_type, inputs, list(node.output), name=node.name, domain=PLUGIN_NAMESPACE,
+                                   plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, aot=1,
+                                   **node_fields)
+        if node.doc_string:
+            lowered.doc_string = node.doc_string
+        new_nodes.append(lowered)
+        input_shapes = {k: shapes.get(v) for k, v in given.items() if v}
+        out_shapes = spec.output_shapes(input_shapes)
+        for rule, out_name in zip(spec.outputs, node.output):
+            if out_name and out_name not in declared:
+                out.graph.value_info.append(helper.make_tensor_value_info(
+                    out_name, helper.np_dtype_to_tensor_dtype(rule.dtype), list(out_shapes[rule.name])))
+        result.plugin_nodes.append({
+            "node": node.name, "plugin": spec.plugin_id, "fields": node_fields, "placeholders": used_placeholders,
+            "outputs": {rule.name: [None if d is None else d for d in out_shapes[rule.name]] for rule in spec.outputs},
+        })
+    del out.graph.node[:]
+    out.graph.node.extend(new_nodes)
+    out.graph.initializer.extend(placeholders.values())
+    keep = []
+    for f in out.functions:
+        if f.domain == DOMAIN and f.name in PLUGIN_SPECS:
+            result.dropped_functions.append(f"{f.domain}::{f.name}" + (f"[{f.overload}]" if f.overload else ""))
+        else:
+            keep.append(f)
+    del out.functions[:]
+    out.functions.extend(keep)
+    if check:
+        _check(result)
+    return result
+
+
+def _refuse_nested(graph: onnx.GraphProto, name: str, top: bool) -> None:
+    for node in graph.node:
+        if node.domain == DOMAIN and not top:
+            raise BuildError(f"{name}: {DOMAIN}::{node.op_type} node {node.name!r} sits inside a subgraph; the "
+                             "lowering handles top-level nodes only")
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                _refuse_nested(g, name, top=False)
+
+
+def _check(result: LoweredGraph) -> None:
+    """ONNX checker (full) and strict shape inference; inferred plugin outputs must equal the declared ones."""
+    model = _without_external_data(result.model)
+    try:
+        onnx.checker.check_model(model, full_check=True)
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise BuildError(f"{result.name}: the lowered graph fails the ONNX checker or strict shape inference: "
+                         f"{e}") from e
+    found = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+    for entry in result.plugin_nodes:
+        node = next(n for n in model.graph.node if n.name == entry["node"])
+        spec = PLUGIN_SPECS[node.op_type]
+        for rule, out_name in zip(spec.outputs, node.output):
+            vi = found.get(out_name)
+            want_type = helper.np_dtype_to_tensor_dtype(rule.dtype)
+            if vi is None or vi.type.tensor_type.elem_type != want_type:
+                found_type = None if vi is None else onnx.TensorProto.DataType.Name(vi.type.tensor_type.elem_type)
+                raise BuildError(f"{result.name}: plugin output {out_name!r} of {entry['node']!r}: expected "
+                                 f"{onnx.TensorProto.DataType.Name(want_type)}, shape inference found {found_type}")
+            shape = _shape_of(vi)
+            want = tuple(entry["outputs"][rule.name])
+            if shape is not None and len(shape) != len(want):
+                raise BuildError(f"{result.name}: plugin output {out_name!r}: rank {len(shape)} after shape "
+                                 f"inference, the plugin rule gives rank {len(want)}")
+            for got, exp in zip(shape or (), want):
+                if isinstance(got, int) and isinstance(exp, int) and got != exp:
+                    raise BuildError(f"{result.name}: plugin output {out_name!r}: shape {list(shape)} after shape "
+                                     f"inference, the plugin rule gives {list(want)}")
+
+
+def _without_external_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose external initializers are graph inputs of the same type and shape.
+
+    The checker opens external data files relative to the working directory for an in-memory model; the
+    weights' values do not matter to the checks, their types and shapes do, and graph inputs keep those.
+    """
+    from onnx.external_data_helper import uses_external_data
+
+    external = [t for t in model.graph.initializer if uses_external_data(t)]
+    if not external:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    names = {t.name for t in external}
+    kept = [t for t in copy.graph.initializer if t.name not in names]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    copy.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external)
+    return copy
+
+
+def lower_file(src: Path, dst: Path | None = None, *, name: str | None = None,
+               fields: Mapping[str, Mapping[str, int]] | None = None) -> tuple[Path, LoweredGraph]:
+    """Lower the graph file ``src`` into ``dst`` (default ``<src stem>.trt.onnx`` beside it).
+
+    External data is not loaded or copied: the lowered graph keeps the canonical graph's references, so
+    ``dst`` must sit in the same folder as ``src`` (external-data locations are plain file names there).
+
+    Raises:
+        BuildError: ``dst`` in another folder, an unreadable graph, or a lowering error (see ``lower_model``).
+    """
+    src = Path(src)
+    dst = Path(dst) if dst is not None else src.with_name(src.name.removesuffix(".onnx") + LOWERED_SUFFIX)
+    if dst.parent.resolve() != src.parent.resolve():
+        raise BuildError(f"{dst}: a lowered graph must sit beside {src.name} in {src.parent} (it shares its "
+                         "external data file)")
+    try:
+        model = onnx.load(str(src), load_external_data=False)
+    except Exception as e:  # DecodeError, OSError, ...
+        raise BuildError(f"{src}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+    result = lower_model(model, name or src.name.removesuffix(".onnx"), fields=fields)
+    tmp = dst.with_name(f".{dst.name}.partial")
+    onnx.save(result.model, str(tmp))
+    tmp.replace(dst)
+    return dst, result

@@ -1,0 +1,72 @@
+"""Shared prepacked ONNX Runtime sessions for the target's and drafter block's larger buckets."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_export.engines.engine_set import EngineSet
+from dspark_export.engines.onnxruntime import uses_shared_session
+from dspark_export.engines.profiler import engine_feed
+from dspark_export.runtime.generator import Generator
+from dspark_export.runtime.policies import parse_policy
+from dspark_export.runtime.request import SamplingParams
+
+from dspark_export.pipeline import BuildConfig, build_engine_dir
+
+BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16), request_buckets=(1, 2, 4), max_context=64,
+               profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
+PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19, 20, 21]]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepack") / "tiny"
+    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
+    return out
+
+
+def test_larger_buckets_share_one_prepacked_session(engine_dir):
+    packed = EngineSet.open(engine_dir, verify=False).activate_all()
+    target = {b: packed.runner_exact("target", b).session for b in packed.buckets("target")}
+    assert len({id(s) for b, s in target.items() if b >= 2}) == 1      # one session for every B ≥ 2
+    assert target[1] is not target[2]                                    # B = 1 is a GEMV: its own session
+    blocks = {id(packed.runner_exact("drafter_block", r).session) for r in packed.buckets("drafter_block")}
+    assert len(blocks) == 1
+    verify = {id(packed.runner_exact("verify", r).session) for r in packed.buckets("verify")}
+    assert len(verify) == len(packed.buckets("verify"))                  # small graphs stay per bucket
+    plain = EngineSet.open(engine_dir, verify=False, prepack=False).activate_all()
+    assert len({id(plain.runner_exact("target", b).session) for b in plain.buckets("target")}) == \
+        len(plain.buckets("target"))
+
+
+@pytest.mark.parametrize("graph, bucket", [("target", 8), ("target", 2), ("drafter_block", 4)])
+def test_shared_session_outputs_equal_per_bucket_sessions(engine_dir, graph, bucket):
+    packed = EngineSet.open(engine_dir, verify=False)
+    plain = EngineSet.open(engine_dir, verify=False, prepack=False)
+    feed = engine_feed(packed.manifest.data["graphs"], graph, bucket, 16)
+    a = packed.runner_exact(graph, bucket).infer(feed)
+    b = plain.runner_exact(graph, bucket).infer(feed)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_greedy_output_is_the_same_with_and_without_prepacking(engine_dir):
+    outs = []
+    for prepack in (True, False):
+        engines = EngineSet.open(engine_dir, verify=False, prepack=prepack)
+        params = [SamplingParams(max_new_tokens=20)] * len(PROMPTS)
+        outs.append([r.token_ids for r in Generator(engines, parse_policy("fixed:4")).generate(PROMPTS, params)])
+    assert outs[0] == outs[1]
+
+
+def test_engine_specs_record_the_session_kind(engine_dir):
+    engines = EngineSet.open(engine_dir, verify=False)
+    for key in engines.manifest.engine_keys():
+        spec = json.loads((engine_dir / key.path).read_text())
+        shared = uses_shared_session(key)
+        assert spec["session"] == (f"shared-prepacked:{key.graph}" if shared else "per-bucket")
+        assert spec["session_config"]["session.disable_prepacking"] == ("0" if shared else "1")
+        assert spec["free_dimension_overrides"] == ({} if shared else {key.dim: key.bucket})

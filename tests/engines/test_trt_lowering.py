@@ -1,0 +1,215 @@
+"""The TensorRT lowering (engines/trt/lowering.py) and `inspect --trt-compat` on the lowered graphs.
+
+Runs without TensorRT: the lowered graphs are checked with the ONNX checker, strict shape inference and
+the TensorRT 10.15 operator table (engines/trt_ops.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from dspark_export.cli import main as cli_main
+from dspark_export.engines.manifest import Manifest
+from dspark_export.engines.trt.lowering import LOWERED_SUFFIX, PLACEHOLDER_PREFIX, lower_file, lower_model
+from dspark_export.engines.trt_ops import check_model
+from dspark_export.errors import BuildError
+from dspark_export.pipeline import BuildConfig, build_engine_dir
+from dspark_export.plugins.graph import make_op_model
+from dspark_export.plugins.tensorrt_spec import PLUGIN_SPECS
+
+BUCKETS = dict(target_buckets=(1, 2, 8), request_buckets=(1, 2), max_context=64,
+               profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lowering") / "tiny"
+    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lowered(engine_dir, tmp_path_factory):
+    """Each canonical graph copied (with its data) to a scratch folder and lowered there."""
+    import shutil
+
+    work = tmp_path_factory.mktemp("lowered")
+    manifest = Manifest.load(engine_dir)
+    out = {}
+    for name in ("target", "drafter_context", "drafter_block", "verify"):
+        src = manifest.graph_path(name)
+        for f in src.parent.iterdir():
+            if not (work / f.name).exists():
+                shutil.copy(f, work / f.name)
+        out[name] = lower_file(work / src.name, name=name)
+    return out
+
+
+def _attrs(node):
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_plugin_nodes_replace_the_custom_nodes(lowered):
+    for name, (path, result) in lowered.items():
+        assert path.name == f"{name}{LOWERED_SUFFIX}" and path.is_file()
+        model = onnx.load(str(path), load_external_data=False)
+        assert not [f for f in model.functions if f.domain == "dspark"], name
+        custom = [n for n in model.graph.node if n.domain not in ("", "ai.onnx")]
+        if name in ("target", "drafter_context"):
+            assert not result.changed and not custom
+            continue
+        (node,) = custom
+        spec = PLUGIN_SPECS[node.op_type]
+        attrs = _attrs(node)
+        assert node.domain == "dspark" and node.overload == ""
+        assert attrs["plugin_namespace"] == b"dspark" and attrs["plugin_version"] == b"1" and attrs["aot"] == 1
+        assert set(attrs) == {"plugin_namespace", "plugin_version", "aot", *spec.field_names}
+        assert list(node.input) == [i for i in node.input if i] and len(node.input) == len(spec.schema.inputs)
+        assert result.dropped_functions == [f"dspark::{node.op_type}" + ("[g4_markov_conf]" if name == "drafter_block"
+                                                                         else "")]
+        if name == "drafter_block":  # the untrained drafter has Markov and confidence heads
+            assert (attrs["has_markov"], attrs["has_confidence"]) == (1, 1)
+
+
+def test_lowered_files_pass_the_checker_and_strict_shape_inference(lowered):
+    for name, (path, _) in lowered.items():
+        onnx.checker.check_model(str(path), full_check=True)  # from the path: external data found beside it
+        inferred = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False),
+                                                     strict_mode=True)
+        types = {vi.name: vi.type.tensor_type.elem_type for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+        if name == "drafter_block":
+            assert types["draft_ids"] == TensorProto.INT64 and types["draft_logits"] == TensorProto.FLOAT
+        if name == "verify":
+            assert types["num_accepted"] == types["next_ids"] == TensorProto.INT64
+
+
+def test_lowered_graphs_have_no_trt_findings(lowered):
+    """Without the function bodies, nothing in our graphs falls outside TensorRT 10.15's table (V real size)."""
+    for name, (path, _) in lowered.items():
+        findings = check_model(onnx.load(str(path), load_external_data=False), name, dims={"V": 49152})
+        assert findings == [], (name, findings)
+
+
+def test_other_nodes_are_untouched(engine_dir, lowered):
+    manifest = Manifest.load(engine_dir)
+    for name, (path, _) in lowered.items():
+        before = onnx.load(str(manifest.graph_path(name)), load_external_data=False)
+        after = onnx.load(str(path), load_external_data=False)
+        keep = lambda m: [n.SerializeToString() for n in m.graph.node if n.domain != "dspark"]  # noqa: E731
+        assert keep(before) == keep(after)
+        assert [i.SerializeToString() for i in before.graph.input] == [i.SerializeToString() for i in after.graph.input]
+        assert [o.SerializeToString() for o in before.graph.output] == [o.SerializeToString() for o in after.graph.output]
+
+
+@pytest.mark.parametrize("has_markov,has_confidence", [(False, False), (True, False), (False, True)])
+def test_absent_optional_inputs_become_placeholders(has_markov, has_confidence):
+    config = dict(block_size=3, has_markov=has_markov, has_confidence=has_confidence)
+    dims = {"V": 40, "H": 8, "r": 4 if has_markov else 0}  # without Markov weights the confidence input is h alone
+    result = lower_model(make_op_model("MarkovDraft", config, dims=dims), "op")
+    (node,) = result.model.graph.node
+    attrs = _attrs(node)
+    assert (attrs["has_markov"], attrs["has_confidence"]) == (int(has_markov), int(has_confidence))
+    absent = [n for n, on in (("markov_w1", has_markov), ("markov_w2", has_markov),
+                              ("confidence_weight", has_confidence), ("confidence_bias", has_confidence)) if not on]
+    assert result.plugin_nodes[0]["placeholders"] == absent
+    inits = {t.name: t for t in result.model.graph.initializer}
+    for name in absent:
+        tensor = inits[PLACEHOLDER_PREFIX + name]
+        assert list(tensor.dims) == [1] * PLUGIN_SPECS["MarkovDraft"].placeholders[name]
+        assert node.input[PLUGIN_SPECS["MarkovDraft"].schema.input_names.index(name)] == tensor.name
+    assert result.plugin_nodes[0]["outputs"] == {"draft_ids": ["R", 3], "draft_logits": ["R", 3, 40],
+                                                 "confidence": ["R", 3]}
+
+
+def _with_node(model, mutate):
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    mutate(copy.graph.node[0])
+    return copy
+
+
+def test_lowering_errors_name_the_node():
+    model = make_op_model("MarkovDraft", dict(block_size=2, has_markov=True, has_confidence=True), dims={"V": 20})
+    half = _with_node(model, lambda n: n.input.__setitem__(9, ""))  # markov_w1 without markov_w2
+    with pytest.raises(BuildError, match=r"/MarkovDraft.*markov_w1 without markov_w2"):
+        lower_model(half, "op")
+    wrong_tag = _with_node(model, lambda n: setattr(n, "overload", "g2"))
+    with pytest.raises(BuildError, match="overload 'g2' disagrees"):
+        lower_model(wrong_tag, "op")
+    stranger = _with_node(model, lambda n: setattr(n, "op_type", "Stranger"))
+    with pytest.raises(BuildError, match="dspark::Stranger, which has no TensorRT plugin"):
+        lower_model(stranger, "op")
+    no_anchor = _with_node(model, lambda n: n.input.__setitem__(2, ""))
+    with pytest.raises(BuildError, match=r"lacks required inputs \['anchor_ids'\]"):
+        lower_model(no_anchor, "op")
+    with pytest.raises(BuildError, match="unknown ops"):
+        lower_model(model, "op", fields={"Nope": {}})
+    with pytest.raises(BuildError, match="power of two"):
+        lower_model(model, "op", fields={"MarkovDraft": {"block_v": 100}})
+
+
+def test_nested_custom_node_is_refused():
+    inner = helper.make_graph([helper.make_node("SpeculativeVerify", ["a"], ["b"], domain="dspark", name="inner")],
+                              "then", [], [helper.make_tensor_value_info("b", TensorProto.INT64, [1])])
+    other = helper.make_graph([helper.make_node("Identity", ["a"], ["c"])], "else", [],
+                              [helper.make_tensor_value_info("c", TensorProto.INT64, [1])])
+    graph = helper.make_graph([helper.make_node("If", ["cond"], ["y"], then_branch=inner, else_branch=other)], "g",
+                              [helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                               helper.make_tensor_value_info("a", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("dspark", 1)])
+    with pytest.raises(BuildError, match="inside a subgraph"):
+        lower_model(model, "nested")
+
+
+def test_lower_file_keeps_beside_its_data(lowered, tmp_path):
+    path, _ = lowered["verify"]
+    with pytest.raises(BuildError, match="must sit beside"):
+        lower_file(path.with_name("verify.onnx"), tmp_path / "elsewhere.onnx")
+
+
+def test_custom_fields_reach_the_node():
+    model = make_op_model("SpeculativeVerify", {}, dims={"V": 20})
+    result = lower_model(model, "verify", fields={"SpeculativeVerify": {"block_v": 256, "num_probes": 4}})
+    assert {k: v for k, v in _attrs(result.model.graph.node[0]).items() if k in ("block_v", "num_probes")} == \
+        {"block_v": 256, "num_probes": 4}
+
+
+# -- inspect --trt-compat on the lowered graphs ------------------------------------------------------------
+
+def _inspect(capsys, *argv):
+    code = cli_main(["inspect", *map(str, argv)])
+    out, _ = capsys.readouterr()
+    return code, out
+
+
+def test_inspect_checks_the_lowered_graphs(engine_dir, capsys):
+    code, out = _inspect(capsys, engine_dir, "--trt-compat", "--json")
+    trt = json.loads(out)["trt_compat"]
+    assert code == 0 and trt["verdict"] == "supported" and trt["trt_minor"] == 15
+    assert {p["op"]: p["function_body"] for p in trt["plugin_nodes"]} == {"dspark::MarkovDraft": False,
+                                                                          "dspark::SpeculativeVerify": False}
+    assert trt["lowering"]["drafter_block"]["dropped_functions"] == ["dspark::MarkovDraft[g4_markov_conf]"]
+    assert all(f["fallback"] for f in trt["findings"])  # what remains is inside the canonical function bodies
+
+
+def test_inspect_below_trt_10_9_blocks_the_plugins(engine_dir, capsys):
+    code, out = _inspect(capsys, engine_dir, "--trt-compat", "--trt-minor", "8", "--json")
+    trt = json.loads(out)["trt_compat"]
+    blocking = [(f["graph"], f["rule"]) for f in trt["findings"] if f["severity"] == "error" and not f["fallback"]]
+    assert code == 1 and trt["verdict"] == "unsupported"
+    assert sorted(blocking) == [("drafter_block", "plugin-trt-minor"), ("verify", "plugin-trt-minor")]
+    code, out = _inspect(capsys, engine_dir, "--trt-compat", "--trt-minor", "8")
+    assert code == 1 and "needs TensorRT >= 10.9, targeted 10.8" in out
+
+
+def test_placeholder_values_are_zero():
+    result = lower_model(make_op_model("MarkovDraft", dict(block_size=2, has_markov=False, has_confidence=False),
+                                       dims={"V": 20}), "op")
+    for t in result.model.graph.initializer:
+        assert np.all(onnx.numpy_helper.to_array(t) == 0) and t.data_type == TensorProto.FLOAT

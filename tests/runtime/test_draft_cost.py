@@ -1,0 +1,96 @@
+"""The drafter cost in the throughput model, and dspark-async skipping the drafter when K* = 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_export.errors import ProfileError
+from dspark_export.runtime.generator import Generator
+from dspark_export.runtime.policies import parse_policy
+from dspark_export.runtime.request import SamplingParams
+from dspark_export.runtime.scheduler import (ThroughputProfile, dspark_async_capacity, dspark_lengths,
+                                             expected_throughput)
+
+from ..test_pipeline import BUCKETS, PROMPTS  # noqa: F401  (same tiny engine directory)
+from ..test_pipeline import engine_dir, runtime  # noqa: F401  (module fixtures)
+
+CPU_LIKE = dict(buckets=(1, 2, 4, 8, 16), steps_per_s=(40.0, 28.0, 25.0, 20.0, 16.0))
+
+
+def test_profile_reads_and_checks_drafter_rows():
+    data = {"target": [{"B": 1, "sps": 40.0}, {"B": 8, "sps": 20.0}],
+            "drafter_block": [{"R": 4, "median_ms": 30.0}, {"R": 1, "median_ms": 16.0}]}
+    p = ThroughputProfile.from_json(data)
+    assert p.has_draft_cost and p.draft_requests == (1, 4) and p.draft_ms == (16.0, 30.0)
+    assert p.draft_seconds(1) == 0.016 and p.draft_seconds(3) == 0.030 and p.draft_seconds(9) == 0.030
+    assert not ThroughputProfile.from_json(data, use_drafter=False).has_draft_cost
+    assert ThroughputProfile((1,), (10.0,)).draft_seconds(1) == 0.0
+    for bad in [((1, 1), (2.0, 3.0)), ((0,), (2.0,)), ((1,), (-1.0,)), ((1, 2), (2.0,)), ((1,), (float("nan"),))]:
+        with pytest.raises(ProfileError, match="drafter rows"):
+            ThroughputProfile((1,), (10.0,), *bad)
+    with pytest.raises(ProfileError, match="drafter_block"):
+        ThroughputProfile.from_json({"target": data["target"], "drafter_block": [{"R": 1}]})
+
+
+def test_async_capacity_prices_skipping_the_drafter():
+    p = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 16), draft_ms=(20.0, 90.0))
+    # R = 1: ar gives 40 tok/s. Seven drafts at c = 0.99: τ = 1 + Σ 0.99^j = 7.72 over 50 + 20 ms = 110 tok/s.
+    assert dspark_async_capacity(np.full((1, 7), 0.99, np.float32), 1, p) == 7
+    # c = 0.5: τ ≤ 2 over ≥ 55.7 ms < 40 tok/s for every K ≥ 1: verify nothing, skip the drafter.
+    assert dspark_async_capacity(np.full((1, 7), 0.5, np.float32), 1, p) == 0
+    # without the drafter cost the same confidences do pay (the paper's formula): K* > 0
+    assert dspark_async_capacity(np.full((1, 7), 0.5, np.float32), 1, ThroughputProfile(**CPU_LIKE)) > 0
+
+
+def test_algorithm1_counts_the_sunk_drafter_cost():
+    """Drafts already made: the drafter time is in every Θ_k, which makes verifying relatively cheaper."""
+    c = np.array([[0.3, 0.5, 0.4, 0.3]], np.float32)   # a = .3, .15, .06, .018
+    plain = ThroughputProfile(**CPU_LIKE)
+    costly = ThroughputProfile(**CPU_LIKE, draft_requests=(1,), draft_ms=(40.0,))
+    assert dspark_lengths(c, plain).tolist() == [0]
+    # Θ_0..4 = 1/(25+40 ms), 1.3/(35.7+40), 1.45/(40+40), 1.51/(40+40), 1.528/(50+40) = 15.4, 17.2, 18.1, 18.9, 17.0
+    lengths = dspark_lengths(c, costly)
+    assert lengths.tolist() == [3]
+    # and the chosen allocation is the best one (brute force over every length)
+    best = max(range(5), key=lambda n: expected_throughput(c, np.array([n]), costly))
+    assert best == 3
+
+
+def _solo(rt, prompt, n):
+    return Generator(rt.engines, parse_policy("ar")).generate([prompt], [SamplingParams(max_new_tokens=n)])[0].token_ids
+
+
+def test_async_skips_the_drafter_and_probes_back(runtime):  # noqa: F811
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+    # An expensive drafter: a step that verifies drafts cannot pay it back, so K* = 0 after two steps.
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
+    calls = []
+    real = gen._draft
+    gen._draft = lambda active: calls.append(len(active)) or real(active)
+    result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])[0]
+    assert result.token_ids == _solo(runtime, PROMPTS[0], 60)          # greedy identity with skipping
+    steps = result.stats.rounds
+    assert gen.drafts_skipped > 0 and len(calls) + gen.drafts_skipped == steps
+    # probes: the drafter ran again after the first skips (2 fallback steps + probes with growing gaps)
+    assert 2 < len(calls) < steps // 2
+
+
+def test_async_with_a_cheap_drafter_never_skips(runtime):  # noqa: F811
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+    gen.profile = ThroughputProfile((64,), (100.0,), draft_requests=(1, 4), draft_ms=(0.0, 0.0))
+    result = gen.generate([PROMPTS[1]], [SamplingParams(max_new_tokens=30)])[0]
+    assert gen.drafts_skipped == 0 and result.token_ids == _solo(runtime, PROMPTS[1], 30)
+
+
+def test_draft_context_stays_in_step_with_the_target_while_skipping(runtime):  # noqa: F811
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
+    rid = gen.submit(PROMPTS[2], SamplingParams(max_new_tokens=40))
+    while gen.has_work():
+        gen.step()
+        state = gen._requests[rid]
+        if not state.done and state.slot is not None and state.decoding:
+            slot = state.slot
+            assert gen.draft_kv.lens[slot] == gen.target_kv.lens[slot]
+    assert gen.drafts_skipped > 0
