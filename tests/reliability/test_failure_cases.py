@@ -48,7 +48,7 @@ def test_sd01_one_token_prompt_positions_advance_by_committed_tokens(rel_runtime
 
     rid = gen.submit(prompt, SamplingParams(max_new_tokens=20), on_token)
     lens = []
-    run_steps(gen, lambda g: (check_lengths(g), lens.append(int(g.target_kv.lens[0]))))
+    run_steps(gen, lambda g: (check_lengths(g), check_caches_equal_fresh(g), lens.append(int(g.target_kv.lens[0]))))
     r = gen.result(rid)
     assert r.token_ids == ref and r.finish_reason == "length"
     assert rounds[0] == ref[:1]                       # the prefill step's first token

@@ -351,7 +351,7 @@ class Generator:
         self._apply(rnd)
 
     def _attempt(self, active: list[_State]) -> "_Round":
-        """`_compute`, restoring the requests' random streams and the confidence history if it raises."""
+        """`_compute`, restoring the requests' random streams if it raises (nothing else has changed)."""
         streams = [(s, s.rng.bit_generator.state) for s in active]
         try:
             return self._compute(active)
