@@ -31,8 +31,7 @@ def engine_dir(tiny_target_dir, tmp_path_factory):
 def test_larger_buckets_share_one_prepacked_session(engine_dir):
     packed = EngineSet.open(engine_dir, verify=False).activate_all()
     target = {b: packed.runner_exact("target", b).session for b in packed.buckets("target")}
-    assert len({id(s) for b, s in target.items() if b >= 2}) == 1      # one session for every B ≥ 2
-    assert target[1] is not target[2]                                    # B = 1 is a GEMV: its own session
+    assert len({id(s) for s in target.values()}) == 1                   # one session for every B
     blocks = {id(packed.runner_exact("drafter_block", r).session) for r in packed.buckets("drafter_block")}
     assert len(blocks) == 1
     verify = {id(packed.runner_exact("verify", r).session) for r in packed.buckets("verify")}
@@ -42,7 +41,7 @@ def test_larger_buckets_share_one_prepacked_session(engine_dir):
         len(plain.buckets("target"))
 
 
-@pytest.mark.parametrize("graph, bucket", [("target", 8), ("target", 2), ("drafter_block", 4)])
+@pytest.mark.parametrize("graph, bucket", [("target", 8), ("target", 1), ("drafter_block", 4)])
 def test_shared_session_outputs_equal_per_bucket_sessions(engine_dir, graph, bucket):
     packed = EngineSet.open(engine_dir, verify=False)
     plain = EngineSet.open(engine_dir, verify=False, prepack=False)

@@ -11,13 +11,14 @@ Prepacking (MLAS packs each constant MatMul weight into its GEMM layout once, at
 - A prepacked session holds a private packed copy of its weights (SmolLM2 target: +390 MB RSS).
 - Without it, every GEMM call with more than one row packs the weights again. That is the whole
   540 MB per target pass. One-row calls use GEMV and never pack.
-- Measured on this 2-core CPU (same process, back to back, busy machine, `/tmp/prepack2.py` in the
-  session-3 notes): target B=2 205 → 102 ms, B=8 358 → 134 ms, B=16 439 → 170 ms; drafter block
-  R=1 52 → 28 ms. Target B=1 is unchanged (GEMV).
-- So the graphs in `PACKED_GRAPHS` run every bucket from its threshold up on ONE shared session
-  (`SharedSession`), with prepacking on and no free-dimension override. Only one packed copy per graph
-  is paid for. The remaining buckets (target B=1, and everything of `drafter_context` and `verify`)
-  keep a per-bucket session with prepacking off (+11 MB each).
+- Measured on this 2-core CPU (same process, back to back, busy machine): target B=2 205 → 102 ms,
+  B=8 358 → 134 ms, B=16 439 → 170 ms; drafter block R=1 52 → 28 ms. On a quiet machine after the
+  change (`dspark-export profile`): target B=2/4/8/16 26.5/29.0/31.5/38.8 ms, against 36.9/41.5/46.2/57.8 ms
+  before; B=1 on its own unpacked session took 36.1 ms, slower than B=2 packed.
+- So the graphs in `PACKED_GRAPHS` (every bucket of the target and the drafter block) run on ONE shared
+  session per graph (`SharedSession`), with prepacking on and no free-dimension override. Only one
+  packed copy per graph is paid for. `drafter_context` and `verify` keep per-bucket sessions with
+  prepacking off (+11 MB each).
 - `EngineSet(prepack=False)` / `Runtime.open(..., prepack=False)` returns to per-bucket sessions, with prepacking off
   everywhere, for memory-tight hosts.
 """
@@ -104,9 +105,10 @@ class WeightStore:
 #: graphs small enough to run on the calling thread (no intra-op pool, nothing left spinning)
 SINGLE_THREAD_GRAPHS = ("drafter_context", "verify")
 
-#: graph → smallest bucket served by the graph's shared prepacked session (see the module docstring):
-#: the target from 2 packed tokens (1 token is a GEMV), the drafter block from 1 request (γ rows)
-PACKED_GRAPHS = {"target": 2, "drafter_block": 1}
+#: graph → smallest bucket served by the graph's shared prepacked session (see the module docstring).
+#: Every target bucket: even one-row passes ran faster on the packed weights (SmolLM2, quiet machine:
+#: B=1 36.1 ms on its own unpacked session vs B=2 26.5 ms on the shared packed one).
+PACKED_GRAPHS = {"target": 1, "drafter_block": 1}
 
 
 def uses_shared_session(key: EngineKey, prepack: bool = True) -> bool:
