@@ -119,3 +119,18 @@ def fake_tensorrt(monkeypatch):
     yield install
     monkeypatch.undo()
     tensorrt_unavailable_reason.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def build_tiny_engine_dir(tiny_target_dir, tmp_path_factory):
+    """Factory: `build_tiny_engine_dir(name, **build)` builds the tiny Llama (`tiny_target_dir`) with an
+    untrained drafter into a fresh `<tmp>/<name>/tiny` engine directory; `build` are BuildConfig fields
+    (buckets, max_context, block_size, ...)."""
+    from dspark_export.pipeline import BuildConfig, build_engine_dir
+
+    def build(name: str, **config):
+        out = tmp_path_factory.mktemp(name) / "tiny"
+        build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **config))
+        return out
+
+    return build

@@ -22,10 +22,8 @@ BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engines") / "tiny"
-    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
-    return out
+def engine_dir(build_tiny_engine_dir):
+    return build_tiny_engine_dir("engines", **BUCKETS)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from dspark_export.bench import peers
 from dspark_export.bench.peers import PeersBenchConfig, run_peers_bench
 from dspark_export.cli import main as cli_main
 from dspark_export.errors import ConfigError
-from dspark_export.pipeline import BuildConfig, build_engine_dir
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8), request_buckets=(1, 2), max_context=64, profile_context=16,
                profile_repeats=2, block_size=4, markov_rank=8)
@@ -21,10 +20,8 @@ HAS_ORTGENAI = importlib.util.find_spec("onnxruntime_genai") is not None
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("peers") / "eng"
-    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
-    return out
+def engine_dir(build_tiny_engine_dir):
+    return build_tiny_engine_dir("peers", **BUCKETS)
 
 
 def test_ours_and_transformers_on_the_same_prompts(engine_dir):

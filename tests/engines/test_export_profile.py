@@ -12,7 +12,6 @@ import pytest
 from dspark_export.cli import main as cli_main
 from dspark_export.engines.export_profile import _sglang_sps, _trtllm_cost, sps_staircase
 from dspark_export.errors import ProfileError
-from dspark_export.pipeline import BuildConfig, build_engine_dir
 from dspark_export.runtime.scheduler import ThroughputProfile
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8), request_buckets=(1, 2), max_context=64, profile_context=16,
@@ -56,10 +55,8 @@ def test_trtllm_interpolated_cost_equals_runtime_latency_for_every_b():
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("export") / "eng"
-    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
-    return out
+def engine_dir(build_tiny_engine_dir):
+    return build_tiny_engine_dir("export", **BUCKETS)
 
 
 @pytest.mark.parametrize("fmt, names", [("sglang", {"sglang_sps_table.json", "sglang_sts.json"}),

@@ -13,7 +13,6 @@ from dspark_export.cli import main as cli_main
 from dspark_export.engines.inspect import inspect_engine_dir
 from dspark_export.engines.trt_ops import OPS, TOPK_MAX_K, check_model
 from dspark_export.errors import ConfigError
-from dspark_export.pipeline import BuildConfig, build_engine_dir
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8), request_buckets=(1, 2), max_context=64,
                profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
@@ -32,10 +31,8 @@ SIZE_DEPENDENT = {"topk-k"}
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("inspect") / "tiny"
-    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
-    return out
+def engine_dir(build_tiny_engine_dir):
+    return build_tiny_engine_dir("inspect", **BUCKETS)
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 
-from dspark_export.pipeline import BuildConfig, build_engine_dir
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16), request_buckets=(1, 2, 4), max_context=64,
                profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
@@ -22,10 +21,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19,
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prepack") / "tiny"
-    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
-    return out
+def engine_dir(build_tiny_engine_dir):
+    return build_tiny_engine_dir("prepack", **BUCKETS)
 
 
 def test_larger_buckets_share_one_prepacked_session(engine_dir):

@@ -19,7 +19,6 @@ from dspark_export.engines.trt import has_tensorrt, tensorrt_unavailable_reason
 from dspark_export.engines.trt.builder import plan_build
 from dspark_export.engines.trt.profiles import POINTS, ShapeProfile, check_profile, eval_dim, profile_for
 from dspark_export.errors import BuildError, EngineDirError, ProfileError
-from dspark_export.pipeline import BuildConfig, build_engine_dir
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16), request_buckets=(1, 2, 4), max_context=64,
                profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
@@ -30,10 +29,8 @@ needs_tensorrt = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("trt_backend") / "tiny"
-    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
-    return out
+def engine_dir(build_tiny_engine_dir):
+    return build_tiny_engine_dir("trt_backend", **BUCKETS)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from dspark_export.engines.manifest import Manifest
 from dspark_export.engines.trt.lowering import LOWERED_SUFFIX, PLACEHOLDER_PREFIX, lower_file, lower_model
 from dspark_export.engines.trt_ops import check_model
 from dspark_export.errors import BuildError
-from dspark_export.pipeline import BuildConfig, build_engine_dir
 from dspark_export.plugins.graph import make_op_model
 from dspark_export.plugins.tensorrt_spec import PLUGIN_SPECS
 
@@ -27,10 +26,8 @@ BUCKETS = dict(target_buckets=(1, 2, 8), request_buckets=(1, 2), max_context=64,
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("lowering") / "tiny"
-    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **BUCKETS))
-    return out
+def engine_dir(build_tiny_engine_dir):
+    return build_tiny_engine_dir("lowering", **BUCKETS)
 
 
 @pytest.fixture(scope="module")

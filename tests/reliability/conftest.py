@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_export.pipeline import BuildConfig, build_engine_dir
 from dspark_export.runtime.api import Runtime
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
@@ -17,11 +16,9 @@ REL_BUILD = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64, 128), request_buckets=(
 
 
 @pytest.fixture(scope="session")
-def rel_engine_dir(tiny_target_dir, tmp_path_factory):
+def rel_engine_dir(build_tiny_engine_dir):
     """Engine directory of the tiny Llama (tests/conftest.py) with an untrained γ=8 drafter."""
-    out = tmp_path_factory.mktemp("rel_engines") / "tiny8"
-    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **REL_BUILD))
-    return out
+    return build_tiny_engine_dir("rel_engines", **REL_BUILD)
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Callable
 
-from .common import csv_list
+from .common import csv_list, write_outputs
 from .peers import DEFAULT_DATASETS, DEFAULT_POLICIES, SYSTEMS, PeersBenchConfig, markdown_table, run_peers_bench, \
     write_reports
 
@@ -67,11 +66,5 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
                            ortgenai_model=args.ortgenai_model, prompt_lookup_tokens=args.prompt_lookup_tokens,
                            warmup=not args.no_warmup)
     result = run_peers_bench(cfg, progress)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        progress(f"wrote {args.json}")
-    if args.out_dir is not None:
-        for path in write_reports(result, args.out_dir).values():
-            progress(f"wrote {path}")
+    write_outputs(result, args, write_reports, progress)
     return markdown_table(result)
