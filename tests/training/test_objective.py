@@ -71,3 +71,43 @@ def test_dflash_loss_has_no_confidence_term(train_target, feature_cache):
     batch = make_batch([feature_cache[0]], 4, 4, np.random.default_rng(0))
     _, m = dspark_loss(drafter, batch, LossWeights(), bf16=False)
     assert "bce" not in m and m["loss"] == pytest.approx(0.1 * m["ce"] + 0.9 * m["l1"], rel=1e-5)
+
+
+@pytest.mark.parametrize("markov_rank", [8, 0])
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_fused_vocab_loss_equals_the_direct_form(train_target, feature_cache, markov_rank, chunk):
+    """Values, metrics and every trainable tensor's gradient of the chunked loss equal the direct autograd form."""
+    cfg = DrafterConfig.from_target(train_target.config, num_draft_layers=1, block_size=4, markov_rank=markov_rank,
+                                    enable_confidence_head=markov_rank > 0,
+                                    confidence_head_with_markov=markov_rank > 0)
+    drafter = init_drafter(train_target, cfg, seed=5).train()
+    with torch.no_grad():  # move off the init so every head contributes
+        for p in drafter.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    batch = make_batch([feature_cache[i] for i in range(3)], 6, 4, np.random.default_rng(2))
+    results = []
+    for fused in (False, True):
+        drafter.zero_grad(set_to_none=True)
+        loss, metrics = dspark_loss(drafter, batch, bf16=False, fused=fused, chunk=chunk)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), metrics, grads))
+    (l0, m0, g0), (l1, m1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    for key in ("ce", "l1", "bce", "tau_probabilistic") if markov_rank else ("ce", "l1", "tau_probabilistic"):
+        assert m1[key] == pytest.approx(m0[key], rel=1e-5)
+    assert m1["top1"] == m0["top1"]
+    assert g0.keys() == g1.keys() and len(g0) > 5
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-7, msg=name)
+    assert drafter.lm_head.weight.grad is None  # the shared head stays frozen
+
+
+def test_fused_vocab_loss_bf16_tracks_fp32(train_target, feature_cache):
+    cfg = DrafterConfig.from_target(train_target.config, num_draft_layers=1, block_size=4, markov_rank=8)
+    drafter = init_drafter(train_target, cfg, seed=5).train()
+    batch = make_batch([feature_cache[i] for i in range(2)], 6, 4, np.random.default_rng(2))
+    _, m32 = dspark_loss(drafter, batch, bf16=False)
+    _, m16 = dspark_loss(drafter, batch, bf16=True)
+    assert m16["ce"] == pytest.approx(m32["ce"], rel=2e-2) and m16["l1"] == pytest.approx(m32["l1"], abs=2e-2)
