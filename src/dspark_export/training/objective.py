@@ -22,10 +22,10 @@ confidence head.
 
 Cost: the [M, V] logits (M = B·N·γ rows, V = 49152 for SmolLM2) dominate. ``dspark_loss`` never
 materialises them: :class:`FusedVocabLoss` walks the rows in chunks, computing per chunk the draft
-and target logits, CE, L1 and the argmax, and recomputes them chunk by chunk in the backward pass
-(the gradients are written out in its docstring). Per-chunk tensors stay in cache instead of
-streaming ~8 fp32 [M, V] temporaries through memory (the backward pass keeps p in the matmul dtype and
-sign(p − q) as a mask, so it only runs the H-wide gradient product): on this project's 2-core CPU a 1,792-row step
+and target logits, CE, L1 and the argmax; it keeps p (in the matmul dtype) and sign(p − q) (a bool
+mask) for the backward pass, which then runs only the H-wide gradient products (the gradients are
+written out in its docstring). Per-chunk tensors stay in cache instead of streaming ~8 fp32 [M, V]
+temporaries through memory: on this project's 2-core CPU a 1,792-row step (forward + backward)
 took 5.5 s unfused and 2.5 s fused (``scripts/train_drafter.py``, same batch). ``fused=False`` keeps
 the direct autograd form; the tests hold the two equal (values and gradients).
 """
