@@ -170,3 +170,20 @@ def test_node_and_function_api():
         make_node(list("abcdefgh") + [""], ["n", "x"], "/v")
     with pytest.raises(PluginError, match="no static configuration"):
         make_function(block_size=4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("temperatures", [[0.0, 0.0], [0.0, 1.0]], ids=["all-greedy", "mixed"])
+def test_greedy_drafts_past_verify_lens_are_never_accepted(impl, temperatures):
+    """Both function branches (all-greedy fast path, mixed batch): drafts beyond verify_lens that happen to equal
+    the target argmax, or sit where the padded row index repeats the last verified row, do not count."""
+    vocab, gamma = 6, 3
+    argmaxes = [2, 3, 4, 5, 1, 2, 3, 4]  # r0 rows 0-1 (verify 1), r1 rows 2-5 (verify 3), 2 padding rows
+    target = np.eye(vocab)[argmaxes] * 0.9 + 0.01
+    feeds = _feeds(target, np.full((2, gamma, vocab), 1 / vocab), [[2, 3, 4], [4, 5, 1]], [1, 3],
+                   np.full((2, gamma + 1), 0.99), temperature=0.0)
+    feeds["temperature"] = np.array(temperatures, F32)
+    num, nxt = _run(impl, feeds)
+    assert num[0] == 1 and nxt[0] == 3          # draft 3 at slot 1 equals row 1's argmax but is unverified
+    if temperatures[1] == 0.0:
+        assert (num[1], nxt[1]) == (3, 2)        # all three accepted, bonus = argmax of row 5

@@ -7,7 +7,9 @@ the function carries the overload ``MarkovDraftConfig.overload`` and nodes name 
     prev = anchor_ids
     for k in 0..γ-1:                       (unrolled)
         L_k  = Gather(base_logits, k, axis 1) [+ MatMul(Gather(W1, prev), W2ᵀ)]      [R, V]
-        x_k  = Where(temperature <= 0, ArgMax(L_k), sample(warp(L_k), u[:, k]))     [R]
+        x_k  = If(every temperature <= 0,                                           [R]
+                  ArgMax(L_k),                                     (greedy batch: no warp, no sampling)
+                  Where(temperature <= 0, ArgMax(L_k), sample(warp(L_k), u[:, k])))
         prev = x_k
     draft_ids = Concat(x_k), draft_logits = Concat(L_k)
     confidence = Sigmoid((MatMul(Concat(hidden, Gather(W1, [anchor, x_0..x_{γ-2}])), w) + b) / T)
@@ -24,8 +26,8 @@ from onnx import TensorProto, helper
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
 from dspark_export.plugins.markov_draft.schema import SCHEMA, MarkovDraftConfig
-from dspark_export.plugins.onnx_builder import NodeBuilder, make_function as _make_function
-from dspark_export.plugins.onnx_sampling import emit_argmax, emit_sample, emit_warp_probs, unsqueeze_last
+from dspark_export.plugins.onnx_builder import NodeBuilder, make_function as _make_function, make_if
+from dspark_export.plugins.onnx_sampling import emit_any, emit_argmax, emit_sample, emit_warp_probs, unsqueeze_last
 
 I64 = np.int64
 
@@ -43,6 +45,7 @@ def make_function(**static_config) -> onnx.FunctionProto:
     config = MarkovDraftConfig.from_dict(static_config)
     b = NodeBuilder("/MarkovDraft/")
     is_greedy = b.op("LessOrEqual", "temperature", b.const(0, np.float32))
+    all_greedy = b.op("Not", emit_any(b, b.op("Not", is_greedy)))  # True for R = 0 too
     w2_t = b.op("Transpose", "markov_w2") if config.has_markov else None
     ids, logits, prev = [], [], "anchor_ids"
     for k in range(config.block_size):
@@ -51,9 +54,12 @@ def make_function(**static_config) -> onnx.FunctionProto:
         if config.has_markov:
             bias = step.op("MatMul", step.op("Gather", "markov_w1", prev, axis=0), w2_t)
             logits_k = step.op("Add", logits_k, bias)
-        probs = emit_warp_probs(step, logits_k, "temperature", "top_k", "top_p")
-        sampled = emit_sample(step, probs, step.op("Gather", "uniforms", step.const(k, I64), axis=1))
-        prev = step.op("Where", is_greedy, emit_argmax(step, logits_k), sampled)
+        greedy = step.branch("greedy/")
+        mixed = step.branch("mixed/")
+        probs = emit_warp_probs(mixed, logits_k, "temperature", "top_k", "top_p")
+        sampled = emit_sample(mixed, probs, mixed.op("Gather", "uniforms", mixed.const(k, I64), axis=1))
+        prev = make_if(step, all_greedy, (greedy, emit_argmax(greedy, logits_k)),
+                       (mixed, mixed.op("Where", is_greedy, emit_argmax(mixed, logits_k), sampled)), TensorProto.INT64)
         b.absorb(step)
         ids.append(unsqueeze_last(b, prev))
         logits.append(b.op("Unsqueeze", logits_k, b.const([1], I64)))

@@ -9,6 +9,9 @@ path through ``Where``; sampled rows use the warped target p and draft q.
     accepted [R, γ] = Where(greedy, x_j == ArgMax(target row j), u_j·q_j(x_j) < p_j(x_j)) ∧ j < verify_lens
     num_accepted   = ReduceSum(CumSum(¬accepted) == 0)
     next_ids       = Where(greedy, ArgMax(target row a), sample(residual or p_a, u_γ))
+
+When every request is greedy (an ``If`` on the temperatures), only the argmax of the M target rows
+is computed: no gather of [R, γ+1, V], no warp, no draft probabilities (the same outputs).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from onnx import TensorProto, helper
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
 from dspark_export.plugins.onnx_builder import NodeBuilder, make_function as _make_function
-from dspark_export.plugins.onnx_sampling import emit_sample, emit_warp_probs, unsqueeze_last
+from dspark_export.plugins.onnx_sampling import emit_any, emit_sample, emit_warp_probs, unsqueeze_last
 from dspark_export.plugins.speculative_verify.schema import SCHEMA
 
 F32, I64 = np.float32, np.int64
@@ -40,23 +43,34 @@ def make_function(**static_config) -> onnx.FunctionProto:
     check_no_config(static_config)
     b = NodeBuilder("/SpeculativeVerify/")
     dims = _emit_dims(b)
-    target_logits = b.op("Gather", "target_logits", _emit_rows(b, dims), axis=0)  # [R, γ+1, V]
-    target_probs = _emit_warp(b, target_logits, dims, dims["gamma_plus_1"])
-    draft_probs = _emit_warp(b, "draft_logits", dims, dims["gamma"])
+    rows = _emit_rows(b, dims)
     is_verified = b.op("Less", b.op("Range", b.const(0, I64), dims["gamma_scalar"], b.const(1, I64)),
                        unsqueeze_last(b, "verify_lens"))  # [R, γ]
     draft_ids = b.op("Where", is_verified, "draft_ids", b.const(0, I64))  # unverified slots may hold placeholders
-    target_argmax = b.op("ArgMax", target_logits, axis=-1, keepdims=0)  # [R, γ+1]
-    is_accepted = _emit_acceptance(b, dims, target_probs, draft_probs, draft_ids, target_argmax)
-    is_accepted = b.op("And", is_accepted, is_verified)
-    rejected_so_far = b.op("CumSum", b.op("Cast", b.op("Not", is_accepted), to=TensorProto.INT64), b.const(1, I64))
-    run = b.op("Cast", b.op("Equal", rejected_so_far, b.const(0, I64)), to=TensorProto.INT64)
-    num_accepted = b.op_into("num_accepted", "ReduceSum", run, b.const([1], I64), keepdims=0)
-    sampled = _emit_next_sample(b, dims, target_probs, draft_probs, num_accepted)
-    greedy = b.op("GatherElements", target_argmax, unsqueeze_last(b, num_accepted), axis=1)
-    greedy = b.op("Squeeze", greedy, b.const([1], I64))
     is_greedy = b.op("LessOrEqual", "temperature", b.const(0, F32))
-    b.op_into("next_ids", "Where", is_greedy, greedy, sampled)
+    all_greedy = b.op("Not", emit_any(b, b.op("Not", is_greedy)))  # True for R = 0 too
+
+    fast = b.branch("greedy/")
+    fast_argmax = fast.op("Gather", fast.op("ArgMax", "target_logits", axis=-1, keepdims=0), rows, axis=0)  # [R, γ+1]
+    fast_accepted = fast.op("And", _emit_greedy_acceptance(fast, dims, draft_ids, fast_argmax), is_verified)
+    fast_num = _emit_num_accepted(fast, fast_accepted)
+    fast_next = _emit_greedy_next(fast, fast_argmax, fast_num)
+
+    full = b.branch("mixed/")
+    target_logits = full.op("Gather", "target_logits", rows, axis=0)  # [R, γ+1, V]
+    target_probs = _emit_warp(full, target_logits, dims, dims["gamma_plus_1"])
+    draft_probs = _emit_warp(full, "draft_logits", dims, dims["gamma"])
+    target_argmax = full.op("ArgMax", target_logits, axis=-1, keepdims=0)  # [R, γ+1]
+    is_accepted = _emit_acceptance(full, dims, target_probs, draft_probs, draft_ids, target_argmax)
+    num_accepted = _emit_num_accepted(full, full.op("And", is_accepted, is_verified))
+    sampled = _emit_next_sample(full, dims, target_probs, draft_probs, num_accepted)
+    next_ids = full.op("Where", is_greedy, _emit_greedy_next(full, target_argmax, num_accepted), sampled)
+
+    kinds = [TensorProto.INT64, TensorProto.INT64]
+    then_graph = fast.to_graph("then", list(zip((fast_num, fast_next), kinds)))
+    else_graph = full.to_graph("else", list(zip((num_accepted, next_ids), kinds)))
+    b.nodes.append(helper.make_node("If", [all_greedy], ["num_accepted", "next_ids"], name="/SpeculativeVerify/If_greedy",
+                                    then_branch=then_graph, else_branch=else_graph))
     return _make_function(SCHEMA.op_type, SCHEMA.input_names, SCHEMA.output_names, b, SCHEMA.doc)
 
 
@@ -111,6 +125,24 @@ def _emit_warp(b: NodeBuilder, logits: str, dims: dict[str, str], width: str) ->
     return b.op("Reshape", probs, b.op("Concat", row_shape, dims["V"], axis=0))
 
 
+def _emit_num_accepted(b: NodeBuilder, is_accepted: str) -> str:
+    """num_accepted [R] int64: the length of the accepted prefix of is_accepted [R, γ] bool."""
+    rejected_so_far = b.op("CumSum", b.op("Cast", b.op("Not", is_accepted), to=TensorProto.INT64), b.const(1, I64))
+    run = b.op("Cast", b.op("Equal", rejected_so_far, b.const(0, I64)), to=TensorProto.INT64)
+    return b.op("ReduceSum", run, b.const([1], I64), keepdims=0)
+
+
+def _emit_greedy_acceptance(b: NodeBuilder, dims: dict[str, str], draft_ids: str, target_argmax: str) -> str:
+    """[R, γ] bool: draft x_j equals the argmax of target row j."""
+    return b.op("Equal", draft_ids, b.op("Slice", target_argmax, b.const([0], I64), dims["gamma"], b.const([1], I64)))
+
+
+def _emit_greedy_next(b: NodeBuilder, target_argmax: str, num_accepted: str) -> str:
+    """next_ids [R] int64 of greedy rows: the argmax of target row num_accepted."""
+    greedy = b.op("GatherElements", target_argmax, unsqueeze_last(b, num_accepted), axis=1)
+    return b.op("Squeeze", greedy, b.const([1], I64))
+
+
 def _emit_acceptance(b, dims, target_probs: str, draft_probs: str, draft_ids: str, target_argmax: str) -> str:
     """[R, γ] bool before the verify_lens mask: greedy x == argmax p, else u·q(x) < p(x)."""
     gamma_end = dims["gamma"]
@@ -121,7 +153,7 @@ def _emit_acceptance(b, dims, target_probs: str, draft_probs: str, draft_ids: st
     draft_at = b.op("Squeeze", b.op("GatherElements", draft_probs, index, axis=2), b.const([2], I64))
     uniforms = b.op("Slice", "uniforms", zero, gamma_end, axis1)
     sampled = b.op("Less", b.op("Mul", uniforms, draft_at), target_at)
-    greedy = b.op("Equal", draft_ids, b.op("Slice", target_argmax, zero, gamma_end, axis1))
+    greedy = _emit_greedy_acceptance(b, dims, draft_ids, target_argmax)
     is_greedy = unsqueeze_last(b, b.op("LessOrEqual", "temperature", b.const(0, F32)))
     # ORT has no bool Where kernel: select with And/Or.
     return b.op("Or", b.op("And", is_greedy, greedy), b.op("And", b.op("Not", is_greedy), sampled))
