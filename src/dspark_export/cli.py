@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--profile-context", type=int, default=128, help="past length when timing buckets (128)")
     b.add_argument("--profile-repeats", type=int, default=10, help="timed runs per bucket (10)")
     b.add_argument("--seed", type=int, default=0, help="seed of an untrained drafter's init (0)")
+    b.add_argument("--drafter-lm-head", choices=("int8", "float32"), default="int8",
+                   help="the drafter block's LM head: int8 weights (a quarter of the memory traffic; the drafts' "
+                        "own logits are what verification uses, so output is unchanged) or the target's fp32 head "
+                        "(int8)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
 
     g = sub.add_parser("generate", help="generate text with speculative decoding",
@@ -205,7 +209,7 @@ def cmd_build(args) -> int:
     cfg = BuildConfig(out=args.out, target=args.target, drafter=args.drafter, target_buckets=args.target_buckets,
                       request_buckets=args.request_buckets, max_context=args.max_context,
                       profile_context=args.profile_context, profile_repeats=args.profile_repeats,
-                      seed=args.seed, overwrite=args.overwrite)
+                      seed=args.seed, drafter_lm_head=args.drafter_lm_head, overwrite=args.overwrite)
     result = build_engine_dir(cfg, progress=_progress)
     _progress(f"built {result.out} ({result.size_bytes / 2**20:.0f} MiB)")
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,

@@ -54,6 +54,8 @@ class BuildConfig:
         profile_repeats: timed runs per bucket.
         block_size, num_draft_layers, markov_rank: shape of a fresh (untrained) drafter.
         seed: seed of a fresh drafter's initialisation.
+        drafter_lm_head: "int8" (default: the drafter block's LM head in int8, `exporter.drafter.int8_lm_head`;
+            the target keeps fp32) or "float32" (the target's head, shared).
         overwrite: replace an existing engine directory at `out`.
     """
 
@@ -69,6 +71,7 @@ class BuildConfig:
     num_draft_layers: int = 1
     markov_rank: int = 64
     seed: int = 0
+    drafter_lm_head: str = "int8"
     overwrite: bool = False
 
     def __post_init__(self):
@@ -78,6 +81,8 @@ class BuildConfig:
                 raise ConfigError(f"{name}: expected strictly increasing positive integers, found {list(b)}")
         if self.max_context < 16:
             raise ConfigError(f"max_context: expected >= 16 tokens, found {self.max_context}")
+        if self.drafter_lm_head not in ("int8", "float32"):
+            raise ConfigError(f"drafter_lm_head: expected 'int8' or 'float32', found {self.drafter_lm_head!r}")
         if self.profile_repeats < 1:
             raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
         if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):
@@ -201,7 +206,7 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     seconds["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     say("exporting graphs")
-    graphs = _export_graphs(inputs, root / "graphs")
+    graphs = _export_graphs(inputs, root / "graphs", cfg.drafter_lm_head)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
     _write_engines(manifest, cfg)
@@ -261,13 +266,13 @@ def _write_report(manifest: Manifest) -> None:
                     manifest.root)
 
 
-def _export_graphs(inputs, graph_dir: Path) -> dict:
+def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str = "float32") -> dict:
     graph_dir.mkdir(parents=True, exist_ok=True)
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
                                     graph_dir / "target.onnx")
     embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
     d_files, d_spec = export_drafter(inputs.drafter, inputs.rope, graph_dir, target_embed=embed,
-                                     target_graph=t_files[0])
+                                     target_graph=t_files[0], lm_head_dtype=drafter_lm_head)
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
     rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731
     entry = lambda files, spec: {"path": rel(files[0]), "data": rel(files[1]) if len(files) > 1 else None,  # noqa: E731

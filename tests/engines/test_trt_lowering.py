@@ -97,7 +97,8 @@ def test_other_nodes_are_untouched(engine_dir, lowered):
     for name, (path, _) in lowered.items():
         before = onnx.load(str(manifest.graph_path(name)), load_external_data=False)
         after = onnx.load(str(path), load_external_data=False)
-        keep = lambda m: [n.SerializeToString() for n in m.graph.node if n.domain != "dspark"]  # noqa: E731
+        keep = lambda m: [n.SerializeToString() for n in m.graph.node  # noqa: E731
+                          if n.domain != "dspark" and "lm_head_int8" not in n.name]
         assert keep(before) == keep(after)
         assert [i.SerializeToString() for i in before.graph.input] == [i.SerializeToString() for i in after.graph.input]
         assert [o.SerializeToString() for o in before.graph.output] == [o.SerializeToString() for o in after.graph.output]
@@ -210,3 +211,32 @@ def test_placeholder_values_are_zero():
                                        dims={"V": 20}), "op")
     for t in result.model.graph.initializer:
         assert np.all(onnx.numpy_helper.to_array(t) == 0) and t.data_type == TensorProto.FLOAT
+
+
+def test_int8_lm_head_becomes_weight_only_dequantize_matmul():
+    """TensorRT imports neither DynamicQuantizeLinear nor MatMulInteger: the lowering rewrites the exporter's int8
+    head to MatMul(h, DequantizeLinear(w_q, scale, axis=1)) on the same int8 weights."""
+    from dspark_export.exporter.builder import GraphBuilder
+    from dspark_export.exporter.drafter import int8_lm_head, quantize_lm_head
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((50, 8)).astype(np.float32)
+    b = GraphBuilder("drafter_block")
+    b.input("h", "float32", ["n", 8])
+    b.output(int8_lm_head(b, "h", weight), "logits", "float32", ["n", 50])
+    model = b.model()
+    result = lower_model(model, "drafter_block")
+    ops = [n.op_type for n in result.model.graph.node]
+    assert "MatMulInteger" not in ops and "DynamicQuantizeLinear" not in ops
+    assert ops.count("DequantizeLinear") == 1 and ops.count("MatMul") == 1 and result.changed
+    assert result.int8_heads == ["/drafter_block/lm_head_int8/MatMul"]
+    h = rng.standard_normal((3, 8)).astype(np.float32)
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # ORT would fuse DQ + MatMul back to int8
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"h": h})[0]
+    w_q, scale = quantize_lm_head(weight)
+    np.testing.assert_allclose(run(result.model), h @ (w_q.astype(np.float32) * scale), rtol=1e-5, atol=1e-5)
+    exact = h @ weight.T
+    assert np.abs(run(model) - exact).max() < 0.03 * np.abs(exact).max()   # the ORT form: activations quantized too

@@ -120,3 +120,44 @@ def test_drafter_graphs_match_contract_tables(tiny_qwen3):
     from dspark_export.exporter import drafter as mod
     for name, _, _ in drafter_block_io_contract(spec)["inputs"] + drafter_block_io_contract(spec)["outputs"]:
         assert f"`{name.split('.')[0]}" in mod.__doc__
+
+
+def test_int8_lm_head_tracks_fp32_and_is_batch_invariant(tiny_target):
+    """The int8 head (per-row activation scales, per-vocabulary weight scales): base logits within a few per cent
+    of the fp32 head's range, and a request's logits do not depend on which other requests share its batch."""
+    from dspark_export.exporter.builder import GraphBuilder
+    from dspark_export.exporter.drafter import int8_lm_head, quantize_lm_head
+
+    drafter = _drafter(tiny_target)
+    weight = drafter.lm_head.weight.detach().numpy()
+    w_q, scale = quantize_lm_head(weight)
+    assert w_q.dtype == np.int8 and w_q.shape == weight.T.shape and np.abs(w_q).max() == 127
+    np.testing.assert_allclose(w_q.T * scale[:, None], weight, atol=float(scale.max()) / 2 + 1e-7)
+    b = GraphBuilder("head")
+    b.input("h", "float32", ["n", weight.shape[1]])
+    b.output(int8_lm_head(b, "h", weight), "logits", "float32", ["n", weight.shape[0]])
+    sess = ort.InferenceSession(b.model().SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((5, weight.shape[1])).astype(np.float32)
+    h[2] *= 100.0   # a loud row must not coarsen the others' quantization
+    h[4] = 0.0
+    (got,) = sess.run(None, {"h": h})
+    exact = h @ weight.T
+    for i in range(5):
+        assert np.abs(got[i] - exact[i]).max() <= 0.03 * np.abs(exact[i]).max() + 1e-6, i
+    for i in range(5):
+        (alone,) = sess.run(None, {"h": h[i:i + 1]})
+        np.testing.assert_array_equal(alone[0], got[i])
+    assert not got[4].any()
+
+
+def test_block_graph_lm_head_dtype_choices(tiny_target):
+    drafter = _drafter(tiny_target)
+    rope = (drafter.inv_freq.numpy(), float(drafter.attention_scaling))
+    from dspark_export.exporter.drafter import build_block_graph
+
+    graphs = {d: build_block_graph(drafter, rope, None, d) for d in ("float32", "int8")}
+    ops = {d: {n.op_type for n in g.graph.node} for d, g in graphs.items()}
+    assert "MatMulInteger" in ops["int8"] and "MatMulInteger" not in ops["float32"] and "Gemm" not in ops["int8"]
+    with pytest.raises(Exception, match="int4"):
+        build_block_graph(drafter, rope, None, "int4")

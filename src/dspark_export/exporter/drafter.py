@@ -45,6 +45,7 @@ import numpy as np
 import onnx
 import torch
 
+from ..errors import ConfigError
 from ..plugins.markov_draft import onnx_function as markov_fn
 from .builder import (GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
                       swiglu_mlp, two_part_attention)
@@ -70,6 +71,7 @@ class DrafterGraphSpec:
     mask_token_id: int
     markov_rank: int
     has_confidence: bool
+    lm_head_dtype: str = "float32"  #: "float32" (Gemm) or "int8" (see `int8_lm_head`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,14 +104,58 @@ def drafter_block_io_contract(spec: DrafterGraphSpec) -> dict:
     return {"inputs": inputs, "outputs": outputs}
 
 
-def _spec(drafter) -> DrafterGraphSpec:
+LM_HEAD_DTYPES = ("float32", "int8")
+
+
+def _spec(drafter, lm_head_dtype: str = "float32") -> DrafterGraphSpec:
     c = drafter.config
     return DrafterGraphSpec(
         num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
         feature_size=c.hidden_size * len(c.target_layer_ids), block_size=c.block_size,
         mask_token_id=c.mask_token_id, markov_rank=c.markov_rank if drafter.markov_head is not None else 0,
-        has_confidence=drafter.confidence_head is not None)
+        has_confidence=drafter.confidence_head is not None, lm_head_dtype=lm_head_dtype)
+
+
+def quantize_lm_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-row int8 weights of an LM head.
+
+    Args:
+        weight: [V, H] float32.
+
+    Returns:
+        (w_q [H, V] int8, transposed for MatMulInteger; scale [V] float32), with
+        ``weight ≈ (w_q.T * scale[:, None])``, ``scale_v = max|weight_v| / 127`` (1 for an all-zero row).
+    """
+    weight = np.asarray(weight, np.float32)
+    peak = np.abs(weight).max(axis=1)
+    scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
+    w_q = np.clip(np.rint(weight / scale[:, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(w_q.T), scale
+
+
+def int8_lm_head(b: GraphBuilder, h: str, weight: np.ndarray) -> str:
+    """Draft logits [n, V] float32 of rows h [n, H] through an int8 LM head (standard ONNX ops).
+
+    Each row is quantized on its own (so a request's logits never depend on its batch mates):
+    ``s_i = max|h_i| / 127`` (1 for a zero row), ``h_u8 = clip(round(h_i / s_i) + 128, 0, 255)``,
+    ``acc = MatMulInteger(h_u8, w_q, 128)`` (int32, uint8 × int8: the VNNI path), logits =
+    ``acc · s_i · scale_v``; weights from `quantize_lm_head`. Why: at R = 1..16 the drafter block is
+    bound by reading the [V, H] head (113 MB in fp32 for SmolLM2); int8 reads a quarter of it. The
+    logits differ from fp32 by ~1 % of their range; losslessness is unaffected because verification
+    uses these very logits as the draft distribution q. Every node is named ``.../lm_head_int8/...``,
+    which the TensorRT lowering replaces by DequantizeLinear + MatMul (TensorRT has no MatMulInteger).
+    """
+    w_q, scale = quantize_lm_head(weight)
+    name = "lm_head_int8"
+    peak = b.op("ReduceMax", [b.op("Abs", [h], name), b.const([-1])], name, keepdims=1)  # [n, 1]
+    row_scale = b.op("Div", [b.op("Max", [peak, b.const(1e-30, "float32")], name), b.const(127.0, "float32")], name)
+    shifted = b.op("Add", [b.op("Round", [b.op("Div", [h, row_scale], name)], name), b.const(128.0, "float32")], name)
+    h_u8 = b.op("Cast", [b.op("Clip", [shifted, b.const(0.0, "float32"), b.const(255.0, "float32")], name)], name,
+                to=onnx.TensorProto.UINT8)
+    acc = b.op("MatMulInteger", [h_u8, b.weight("lm_head_int8.weight", w_q), b.const(128, "uint8")], name)
+    acc = b.op("Cast", [acc], name, to=onnx.TensorProto.FLOAT)
+    return b.op("Mul", [b.op("Mul", [acc, row_scale], name), b.weight("lm_head_int8.scale", scale)], name)
 
 
 def _embed_name(sd: dict, key: str, target_embed: np.ndarray | None) -> str:
@@ -193,9 +239,16 @@ def _block_inputs(b: GraphBuilder, c, spec) -> tuple[str, str]:
     return ids, b.op("Reshape", [pos, b.const([-1])], "block_positions")
 
 
-def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.ndarray | None) -> onnx.ModelProto:
-    """drafter_block.onnx: anchors + context cache -> drafts, draft logits, confidence."""
-    c, spec = drafter.config, _spec(drafter)
+def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.ndarray | None,
+                      lm_head_dtype: str = "float32") -> onnx.ModelProto:
+    """drafter_block.onnx: anchors + context cache -> drafts, draft logits, confidence.
+
+    Raises:
+        ConfigError: `lm_head_dtype` is not one of `LM_HEAD_DTYPES`.
+    """
+    if lm_head_dtype not in LM_HEAD_DTYPES:
+        raise ConfigError(f"drafter LM head dtype: expected one of {list(LM_HEAD_DTYPES)}, found {lm_head_dtype!r}")
+    c, spec = drafter.config, _spec(drafter, lm_head_dtype)
     sd = {k: v.detach().float().numpy() for k, v in drafter.state_dict().items()}
     b = GraphBuilder("drafter_block")
     ids, pos = _block_inputs(b, c, spec)
@@ -205,8 +258,11 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     for i in range(c.num_hidden_layers):
         h = _block_layer(b, sd, c, i, h, {"cos": cos, "sin": sin})
     h = rms_norm(b, h, b.weight("norm.weight", sd["norm.weight"]), c.rms_norm_eps, "norm")
-    head = b.weight(_embed_name(sd, "lm_head.weight", target_embed), sd["lm_head.weight"])
-    logits = b.op("Gemm", [h, head], "lm_head", transB=1)
+    if lm_head_dtype == "int8":
+        logits = int8_lm_head(b, h, sd["lm_head.weight"])
+    else:
+        head = b.weight(_embed_name(sd, "lm_head.weight", target_embed), sd["lm_head.weight"])
+        logits = b.op("Gemm", [h, head], "lm_head", transB=1)
     hidden3 = b.op("Reshape", [h, b.const([-1, c.block_size, c.hidden_size])], "hidden")
     logits3 = b.op("Reshape", [logits, b.const([-1, c.block_size, c.vocab_size])], "base_logits")
     op_inputs = [logits3, hidden3, "anchor_ids", "temperature", "top_k", "top_p", "uniforms",
@@ -245,14 +301,15 @@ def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec) -> list[str
     return names
 
 
-def build_drafter_graphs(drafter, rope, target_embed=None):
+def build_drafter_graphs(drafter, rope, target_embed=None, lm_head_dtype: str = "float32"):
     """Returns (context ModelProto, block ModelProto, DrafterGraphSpec)."""
     with torch.no_grad():
-        return build_context_graph(drafter, rope), build_block_graph(drafter, rope, target_embed), _spec(drafter)
+        return (build_context_graph(drafter, rope), build_block_graph(drafter, rope, target_embed, lm_head_dtype),
+                _spec(drafter, lm_head_dtype))
 
 
 def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
-                   target_graph: Path | None = None) -> tuple[list[Path], DrafterGraphSpec]:
+                   target_graph: Path | None = None, lm_head_dtype: str = "float32") -> tuple[list[Path], DrafterGraphSpec]:
     """Write drafter_context.onnx and drafter_block.onnx (+ .data) into `out_dir`.
 
     Args:
@@ -262,8 +319,9 @@ def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
             named after it so engines hold one copy.
         target_graph: the saved target.onnx in `out_dir`; shared weights then point into its data
             file instead of being written twice.
+        lm_head_dtype: "float32" (the target's head, shared) or "int8" (`int8_lm_head`).
     """
-    ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed)
+    ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed, lm_head_dtype)
     out_dir = Path(out_dir)
     files = save_model(ctx, out_dir / "drafter_context.onnx", target_graph)
     files += save_model(block, out_dir / "drafter_block.onnx", target_graph)

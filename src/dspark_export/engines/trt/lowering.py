@@ -15,6 +15,11 @@ CumSum that TensorRT 10 does not import). The lowering, per ``dspark`` node:
 - declares each output's type and shape (``value_info``) from the plugin's output rules, since ONNX shape
   inference knows nothing of a plugin node.
 
+An int8 drafter LM head (``exporter.drafter.int8_lm_head``: DynamicQuantizeLinear → MatMulInteger → Cast
+→ Mul, none of which TensorRT 10 imports except the Mul) becomes weight-only int8:
+``MatMul(h, DequantizeLinear(w_q, scale, axis=1))`` with the same int8 weights and per-vocabulary scales
+(zero point 0, which TensorRT requires), so the plan stays small; the activations are not quantized.
+
 The ops' local functions are dropped (a plugin is then the only way to import the node). Every other node
 is kept as it is: TensorRT 10 imports the rest of our graphs as they are (int64 is native since TensorRT
 9.0; ``inspect --trt-compat`` checks every node against the 10.15 operator table), and the target's
@@ -62,19 +67,22 @@ class LoweredGraph:
         model: the lowered model (weights stay where they were: external data is not loaded).
         plugin_nodes: per plugin node {"node", "plugin", "fields", "placeholders", "outputs"}.
         dropped_functions: ``domain::name[overload]`` of every local function removed.
+        int8_heads: the MatMul node of every int8 LM head rewritten to DequantizeLinear + MatMul.
     """
 
     name: str
     model: onnx.ModelProto
     plugin_nodes: list[dict] = dataclasses.field(default_factory=list)
     dropped_functions: list[str] = dataclasses.field(default_factory=list)
+    int8_heads: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def changed(self) -> bool:
-        return bool(self.plugin_nodes or self.dropped_functions)
+        return bool(self.plugin_nodes or self.dropped_functions or self.int8_heads)
 
     def summary(self) -> dict:
-        return {"graph": self.name, "plugin_nodes": self.plugin_nodes, "dropped_functions": self.dropped_functions}
+        return {"graph": self.name, "plugin_nodes": self.plugin_nodes, "dropped_functions": self.dropped_functions,
+                "int8_heads": self.int8_heads}
 
 
 def _shape_of(vi: onnx.ValueInfoProto) -> tuple | None:
@@ -149,7 +157,10 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
     out.CopyFrom(model)
     result = LoweredGraph(name, out)
     _refuse_nested(out.graph, name, top=True)
+    _lower_int8_heads(out.graph, result)
     if not any(n.domain == DOMAIN for n in out.graph.node):
+        if result.int8_heads and check:
+            _check(result)
         return result
     shapes = _known_shapes(model, name)
     declared = {vi.name for vi in [*out.graph.output, *out.graph.value_info]}
@@ -213,6 +224,53 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
     if check:
         _check(result)
     return result
+
+
+def _lower_int8_heads(graph: onnx.GraphProto, result: LoweredGraph) -> None:
+    """Replace each int8 LM head (the nodes named ``.../lm_head_int8/...``, see the module docstring) in place;
+    records the new MatMul in ``result.int8_heads``.
+
+    Raises:
+        BuildError: a head whose nodes do not read exactly one activation and the int8 weight and scale
+            initializers, or do not produce exactly one value used outside them.
+    """
+    scopes: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if "/lm_head_int8/" in node.name:
+            scopes.setdefault(node.name.split("/lm_head_int8/")[0] + "/lm_head_int8", []).append(node)
+    if not scopes:
+        return
+    initializers = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    drop: set[int] = set()
+    for base, group in scopes.items():
+        made = {o for n in group for o in n.output}
+        ids = {id(n) for n in group}
+        reads = {i for n in group for i in n.input if i and i not in made}
+        activations = sorted(i for i in reads if i not in initializers)
+        used_outside = sorted({o for n in graph.node if id(n) not in ids for o in n.input if o in made}
+                              | (made & outputs))
+        weight = next((i for i in reads if i.endswith("lm_head_int8.weight")), None)
+        scale = next((i for i in reads if i.endswith("lm_head_int8.scale")), None)
+        if len(activations) != 1 or len(used_outside) != 1 or weight is None or scale is None:
+            raise BuildError(f"{result.name}: int8 LM head {base!r} reads {activations} (+ weight {weight}, scale "
+                             f"{scale}) and produces {used_outside}; expected one activation, the int8 weight and "
+                             "scale, and one output. Rebuild the engine directory with this version of dspark-export")
+        dequantized = f"{base}/DequantizeLinear/output_0"
+        replaced[id(group[-1])] = [
+            helper.make_node("DequantizeLinear", [weight, scale], [dequantized], name=f"{base}/DequantizeLinear", axis=1),
+            helper.make_node("MatMul", [activations[0], dequantized], used_outside, name=f"{base}/MatMul")]
+        drop |= ids
+        result.int8_heads.append(f"{base}/MatMul")
+    nodes = []
+    for node in graph.node:
+        if id(node) in replaced:
+            nodes.extend(replaced[id(node)])
+        elif id(node) not in drop:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _refuse_nested(graph: onnx.GraphProto, name: str, top: bool) -> None:
