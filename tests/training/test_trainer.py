@@ -64,6 +64,22 @@ def test_training_is_seeded_and_resumes_exactly(train_target, feature_cache, tmp
     assert len(rows[-1]["accept_rate"]) == 4 and "tau_probabilistic" in rows[-1]
 
 
+def test_ctrl_c_saves_the_last_completed_step_and_resumes_exactly(train_target, feature_cache, tmp_path):
+    """Ctrl-C between save points keeps the steps done since the last save (save_every=2, stopped at 3)."""
+    full = train_drafter(train_target, feature_cache, _cfg(tmp_path / "full", 6))
+
+    def interrupt_at_3(line):
+        if line.startswith("step 3/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6), progress=interrupt_at_3)
+    assert torch.load(tmp_path / "split" / "training_state.pt", weights_only=True)["step"] == 3
+    resumed = train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6))
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_resume_with_another_config_is_refused(train_target, feature_cache, tmp_path):
     train_drafter(train_target, feature_cache, _cfg(tmp_path, 2))
     with pytest.raises(ConfigError, match="markov_rank"):

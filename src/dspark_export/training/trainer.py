@@ -139,38 +139,45 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     t0, seen = time.perf_counter(), 0
     eta = Eta(cfg.steps, start=step)
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as log:
-        while step < min(cfg.steps, stop_at or cfg.steps):
-            if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
-                say(f"time budget of {time_budget_s:.0f} s reached at step {step}")
-                break
-            picks = rng.choice(usable, size=cfg.seqs_per_step, replace=False)
-            seqs = []
-            for i in picks:
-                s = cache[int(i)]
-                if len(s.tokens) > cfg.max_seq_len:
-                    s.tokens, s.aux, s.last = (a[:cfg.max_seq_len] for a in (s.tokens, s.aux, s.last))
-                seqs.append(s)
-            batch = make_batch(seqs, cfg.anchors_per_seq, dcfg.block_size, rng)
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, cfg)
-            loss, metrics = dspark_loss(drafter, batch, cfg.loss, bf16=cfg.bf16)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-            opt.step()
-            step += 1
-            seen += int(batch.keep.sum())
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                el = time.perf_counter() - t0
-                row = {"step": step, "lr": round(_lr_at(step - 1, cfg), 7), "grad_norm": round(grad_norm, 4),
-                       "elapsed_s": round(el, 1), **metrics}
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                say(f"step {step}/{cfg.steps} loss {metrics['loss']:.4f} ce {metrics['ce']:.3f} l1 {metrics['l1']:.3f} "
-                    f"τ_p {metrics['tau_probabilistic']:.2f} acc {metrics['accept_rate'][:4]} "
-                    f"{seen / el:.0f} blocks/s, {el:.0f} s, {eta.text(step)}")
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                save()
+        try:
+            while step < min(cfg.steps, stop_at or cfg.steps):
+                if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+                    say(f"time budget of {time_budget_s:.0f} s reached at step {step}")
+                    break
+                picks = rng.choice(usable, size=cfg.seqs_per_step, replace=False)
+                seqs = []
+                for i in picks:
+                    s = cache[int(i)]
+                    if len(s.tokens) > cfg.max_seq_len:
+                        s.tokens, s.aux, s.last = (a[:cfg.max_seq_len] for a in (s.tokens, s.aux, s.last))
+                    seqs.append(s)
+                batch = make_batch(seqs, cfg.anchors_per_seq, dcfg.block_size, rng)
+                for g in opt.param_groups:
+                    g["lr"] = _lr_at(step, cfg)
+                loss, metrics = dspark_loss(drafter, batch, cfg.loss, bf16=cfg.bf16)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+                opt.step()
+                step += 1   # the step is complete: drafter, optimizer and data RNG all moved past it
+                seen += int(batch.keep.sum())
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    el = time.perf_counter() - t0
+                    row = {"step": step, "lr": round(_lr_at(step - 1, cfg), 7), "grad_norm": round(grad_norm, 4),
+                           "elapsed_s": round(el, 1), **metrics}
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    say(f"step {step}/{cfg.steps} loss {metrics['loss']:.4f} ce {metrics['ce']:.3f} "
+                        f"l1 {metrics['l1']:.3f} τ_p {metrics['tau_probabilistic']:.2f} "
+                        f"acc {metrics['accept_rate'][:4]} {seen / el:.0f} blocks/s, {el:.0f} s, {eta.text(step)}")
+                if step % cfg.save_every == 0 or step == cfg.steps:
+                    save()
+        except KeyboardInterrupt:
+            # Ctrl-C between steps saves a consistent state. One that lands inside opt.step() may save a
+            # half-applied update of that step (not counted); better than losing up to save_every steps.
+            save()
+            say(f"interrupted at step {step}; state saved")
+            raise
         if step % cfg.save_every or step == 0:  # an early stop keeps its state too
             save()
     drafter.config = dcfg.replace(is_trained=True)
