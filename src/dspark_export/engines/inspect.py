@@ -195,7 +195,7 @@ def _models(data: dict) -> dict:
                                           if k in t_spec}}
     drafter = {k: v for k, v in src.get("drafter", {}).items() if k != "confidence_temperature"}
     drafter.update({k: d_spec[k] for k in ("num_layers", "hidden_size", "feature_size", "block_size", "markov_rank",
-                                           "has_confidence", "mask_token_id") if k in d_spec})
+                                           "has_confidence", "mask_token_id", "lm_head_dtype") if k in d_spec})
     return {"target": target, "drafter": drafter}
 
 
@@ -373,6 +373,7 @@ def _format(report: InspectReport) -> str:
     ddesc = ", ".join(f"{k} {d[k]}" for k in ("kind", "path", "seed", "num_layers", "block_size", "markov_rank",
                                               "feature_size") if d.get(k) is not None)
     conf = "confidence head" if d.get("has_confidence") else "no confidence head"
+    conf += f", LM head {d.get('lm_head_dtype', 'float32')}"
     out.append(f"  drafter  {trained} ({ddesc}, {conf}); target layers {d.get('target_layer_ids', '?')}")
     r = s["runtime"]
     out.append(f"  runtime  block_size {r['block_size']}, max_context {r['max_context']}, vocab {r['vocab_size']}, "
