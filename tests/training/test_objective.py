@@ -111,3 +111,27 @@ def test_fused_vocab_loss_bf16_tracks_fp32(train_target, feature_cache):
     _, m32 = dspark_loss(drafter, batch, bf16=False)
     _, m16 = dspark_loss(drafter, batch, bf16=True)
     assert m16["ce"] == pytest.approx(m32["ce"], rel=2e-2) and m16["l1"] == pytest.approx(m32["l1"], abs=2e-2)
+
+
+def test_fused_vocab_loss_bf16_gradients_track_fp32(train_target, feature_cache):
+    cfg = DrafterConfig.from_target(train_target.config, num_draft_layers=1, block_size=4, markov_rank=8)
+    drafter = init_drafter(train_target, cfg, seed=5).train()
+    batch = make_batch([feature_cache[i] for i in range(2)], 6, 4, np.random.default_rng(2))
+    grads = []
+    for bf16 in (False, True):
+        drafter.zero_grad(set_to_none=True)
+        loss, _ = dspark_loss(drafter, batch, bf16=bf16)
+        loss.backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in drafter.parameters() if p.requires_grad]))
+    cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)
+    assert cos > 0.98 and (grads[1].norm() / grads[0].norm() - 1).abs() < 0.05
+
+
+def test_fused_vocab_loss_refuses_a_bad_chunk():
+    from dspark_export.training.objective import FusedVocabLoss
+
+    W, h = torch.randn(50, 8), torch.randn(3, 8, requires_grad=True)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="chunk"):
+            FusedVocabLoss.apply(h, W, torch.zeros(3, 0), torch.zeros(50, 0), h.detach(), torch.zeros(3, dtype=torch.long),
+                                 bad, False)

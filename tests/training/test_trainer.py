@@ -80,6 +80,29 @@ def test_ctrl_c_saves_the_last_completed_step_and_resumes_exactly(train_target, 
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_ctrl_c_inside_a_step_redoes_that_step_on_resume(train_target, feature_cache, tmp_path, monkeypatch):
+    """Ctrl-C during a step's forward pass (after its batch was drawn): the resumed run draws the same batch."""
+    import dspark_export.training.trainer as trainer_module
+
+    full = train_drafter(train_target, feature_cache, _cfg(tmp_path / "full", 6))
+    real_loss, calls = trainer_module.dspark_loss, []
+
+    def loss_interrupted_on_4th_call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "dspark_loss", loss_interrupted_on_4th_call)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6))
+    monkeypatch.setattr(trainer_module, "dspark_loss", real_loss)
+    assert torch.load(tmp_path / "split" / "training_state.pt", weights_only=True)["step"] == 3
+    resumed = train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6))
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_resume_with_another_config_is_refused(train_target, feature_cache, tmp_path):
     train_drafter(train_target, feature_cache, _cfg(tmp_path, 2))
     with pytest.raises(ConfigError, match="markov_rank"):

@@ -139,11 +139,13 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     t0, seen = time.perf_counter(), 0
     eta = Eta(cfg.steps, start=step)
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as log:
+        rng_at_step_start = None
         try:
             while step < min(cfg.steps, stop_at or cfg.steps):
                 if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
                     say(f"time budget of {time_budget_s:.0f} s reached at step {step}")
                     break
+                rng_at_step_start = rng.bit_generator.state
                 picks = rng.choice(usable, size=cfg.seqs_per_step, replace=False)
                 seqs = []
                 for i in picks:
@@ -160,6 +162,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
                 opt.step()
                 step += 1   # the step is complete: drafter, optimizer and data RNG all moved past it
+                rng_at_step_start = None
                 seen += int(batch.keep.sum())
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     el = time.perf_counter() - t0
@@ -173,8 +176,11 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                 if step % cfg.save_every == 0 or step == cfg.steps:
                     save()
         except KeyboardInterrupt:
-            # Ctrl-C between steps saves a consistent state. One that lands inside opt.step() may save a
-            # half-applied update of that step (not counted); better than losing up to save_every steps.
+            # A step cut short is redone on resume: its batch is drawn again from the data RNG as it was
+            # when the step began. (Ctrl-C inside opt.step() itself may leave that step's update half
+            # applied; better than losing up to save_every steps.)
+            if rng_at_step_start is not None:
+                rng.bit_generator.state = rng_at_step_start
             save()
             say(f"interrupted at step {step}; state saved")
             raise
