@@ -93,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of an untrained drafter's init (0)")
     b.add_argument("--drafter-lm-head", choices=("int8", "float32"), default="int8",
                    help="the drafter block's LM head: int8 weights (a quarter of the memory traffic; the drafts' "
-                        "own logits are what verification uses, so output is unchanged) or the target's fp32 head "
-                        "(int8)")
+                        "own logits are what verification uses, so output is unchanged) or float32, the target's "
+                        "own head shared (default: int8)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
 
     g = sub.add_parser("generate", help="generate text with speculative decoding",

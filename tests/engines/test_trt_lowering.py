@@ -227,16 +227,38 @@ def test_int8_lm_head_becomes_weight_only_dequantize_matmul():
     model = b.model()
     result = lower_model(model, "drafter_block")
     ops = [n.op_type for n in result.model.graph.node]
-    assert "MatMulInteger" not in ops and "DynamicQuantizeLinear" not in ops
+    assert "MatMulInteger" not in ops and "Round" not in ops and "Clip" not in ops
     assert ops.count("DequantizeLinear") == 1 and ops.count("MatMul") == 1 and result.changed
     assert result.int8_heads == ["/drafter_block/lm_head_int8/MatMul"]
     h = rng.standard_normal((3, 8)).astype(np.float32)
     import onnxruntime as ort
     so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # ORT would fuse DQ + MatMul back to int8
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # EXTENDED fuses DQ + MatMul to int8
     run = lambda m: ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(  # noqa: E731
         None, {"h": h})[0]
     w_q, scale = quantize_lm_head(weight)
     np.testing.assert_allclose(run(result.model), h @ (w_q.astype(np.float32) * scale), rtol=1e-5, atol=1e-5)
     exact = h @ weight.T
     assert np.abs(run(model) - exact).max() < 0.03 * np.abs(exact).max()   # the ORT form: activations quantized too
+
+
+def test_trt_compare_reference_for_an_int8_head_is_weight_only(engine_dir):
+    """`trt compare`'s ONNX Runtime reference of an int8-head drafter block computes TensorRT's weight-only math."""
+    import onnxruntime as ort
+
+    from dspark_export.engines.profiler import engine_feed
+    from dspark_export.engines.trt.compare import reference_session
+
+    root = engine_dir
+    manifest = Manifest.load(root)
+    assert manifest.data["graphs"]["drafter_block"]["spec"]["lm_head_dtype"] == "int8"
+    path = manifest.graph_path("drafter_block")
+    session = reference_session(path, "drafter_block")()
+    feed = engine_feed(manifest.data["graphs"], "drafter_block", 2, 8)
+    ref = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+    canonical = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in canonical.get_outputs()], canonical.run(None, feed)))
+    np.testing.assert_allclose(ref["hidden"], got["hidden"], rtol=1e-4, atol=1e-5)   # fusions differ by level
+    span = float(np.abs(got["draft_logits"]).max())
+    assert 0 < float(np.abs(ref["draft_logits"] - got["draft_logits"]).max()) < 0.05 * span
+    assert reference_session(manifest.graph_path("target"), "target")().get_outputs()  # plain graphs load as they are

@@ -149,6 +149,11 @@ def test_int8_lm_head_tracks_fp32_and_is_batch_invariant(tiny_target):
         (alone,) = sess.run(None, {"h": h[i:i + 1]})
         np.testing.assert_array_equal(alone[0], got[i])
     assert not got[4].any()
+    h[1, 3] = np.nan   # one NaN (or inf) element: the whole row is non-finite, as with the fp32 head
+    h[3, 0] = np.inf
+    (bad,) = sess.run(None, {"h": h})
+    assert not np.isfinite(bad[1]).any() and not np.isfinite(bad[3]).any()
+    np.testing.assert_array_equal(bad[[0, 2, 4]], got[[0, 2, 4]])   # and no other row changes
 
 
 def test_block_graph_lm_head_dtype_choices(tiny_target):

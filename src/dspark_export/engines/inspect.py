@@ -69,6 +69,19 @@ class InspectReport:
         return _format(self)
 
 
+
+def _count_nodes(nodes) -> int:
+    """Nodes including those inside If/Loop/Scan subgraphs (the ops' greedy/mixed branches)."""
+    total = 0
+    for node in nodes:
+        total += 1
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                total += _count_nodes(attr.g.node)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                total += sum(_count_nodes(g.node) for g in attr.graphs)
+    return total
+
 def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int = 10,
                        trt_minor: int = DEFAULT_TRT_MINOR) -> InspectReport:
     """Summarise (and check) the engine directory at `root`.
@@ -164,9 +177,9 @@ def _graph_summary(manifest: Manifest, name: str, model: onnx.ModelProto) -> dic
         "data_bytes": files.get(data_rel, {}).get("bytes") if data_rel else None,
         "ir_version": model.ir_version,
         "opset_imports": {(o.domain or "ai.onnx"): o.version for o in model.opset_import},
-        "nodes": len(model.graph.node),
+        "nodes": _count_nodes(model.graph.node),
         "initializers": len(model.graph.initializer),
-        "functions": [{"name": f"{f.domain}::{f.name}", "overload": f.overload or None, "nodes": len(f.node)}
+        "functions": [{"name": f"{f.domain}::{f.name}", "overload": f.overload or None, "nodes": _count_nodes(f.node)}
                       for f in model.functions],
         "inputs": [_value_info(v) for v in model.graph.input],
         "outputs": [_value_info(v) for v in model.graph.output],
@@ -452,6 +465,8 @@ def _format_trt(report: InspectReport) -> list[str]:
     for name, low in trt.get("lowering", {}).items():
         if low["dropped_functions"]:
             out.append(f"  lowered {name}: dropped local functions {', '.join(low['dropped_functions'])}")
+        for head in low.get("int8_heads", []):
+            out.append(f"  lowered {name}: int8 LM head → weight-only DequantizeLinear + MatMul ({head})")
     for p in trt["plugin_nodes"]:
         fields = ", ".join(f"{k}={v}" for k, v in p.get("fields", {}).items())
         out.append(f"  plugin node {p['graph']}: {p['node']} -> {p['op']} v{p['version']} (TensorRT plugin "

@@ -78,7 +78,12 @@ class DrafterGraphSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterGraphSpec":
-        return cls(**d)
+        """Raises: ConfigError: an unknown ``lm_head_dtype`` (older manifests have none: float32)."""
+        spec = cls(**d)
+        if spec.lm_head_dtype not in LM_HEAD_DTYPES:
+            raise ConfigError(f"drafter graph spec: lm_head_dtype expected one of {list(LM_HEAD_DTYPES)}, "
+                              f"found {spec.lm_head_dtype!r}")
+        return spec
 
 
 def drafter_context_io_contract(spec: DrafterGraphSpec) -> dict:
@@ -125,7 +130,8 @@ def quantize_lm_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Returns:
         (w_q [H, V] int8, transposed for MatMulInteger; scale [V] float32), with
-        ``weight ≈ (w_q.T * scale[:, None])``, ``scale_v = max|weight_v| / 127`` (1 for an all-zero row).
+        ``weight ≈ (w_q.T * scale[:, None])``, ``scale_v = max|weight_v| / 127`` (1 for an all-zero
+        vocabulary row, whose w_q is then 0).
     """
     weight = np.asarray(weight, np.float32)
     peak = np.abs(weight).max(axis=1)
@@ -138,13 +144,16 @@ def int8_lm_head(b: GraphBuilder, h: str, weight: np.ndarray) -> str:
     """Draft logits [n, V] float32 of rows h [n, H] through an int8 LM head (standard ONNX ops).
 
     Each row is quantized on its own (so a request's logits never depend on its batch mates):
-    ``s_i = max|h_i| / 127`` (1 for a zero row), ``h_u8 = clip(round(h_i / s_i) + 128, 0, 255)``,
+    ``s_i = max(max|h_i|, 1e-30) / 127``, ``h_u8 = clip(round(h_i / s_i) + 128, 0, 255)``,
     ``acc = MatMulInteger(h_u8, w_q, 128)`` (int32, uint8 × int8: the VNNI path), logits =
-    ``acc · s_i · scale_v``; weights from `quantize_lm_head`. Why: at R = 1..16 the drafter block is
-    bound by reading the [V, H] head (113 MB in fp32 for SmolLM2); int8 reads a quarter of it. The
-    logits differ from fp32 by ~1 % of their range; losslessness is unaffected because verification
-    uses these very logits as the draft distribution q. Every node is named ``.../lm_head_int8/...``,
-    which the TensorRT lowering replaces by DequantizeLinear + MatMul (TensorRT has no MatMulInteger).
+    ``acc · s_i · scale_v + 0·Σh_i`` (the last term keeps a row holding NaN or ±inf non-finite, as the
+    fp32 head would, so the runtime's non-finite check still catches it); weights from
+    `quantize_lm_head`. Why: at R = 1..16 the drafter block is bound by reading the [V, H] head (113 MB
+    in fp32 for SmolLM2); int8 reads a quarter of it. On SmolLM2's shipped drafter the logits differ
+    from the fp32 head's by at most 0.51 where they reach 15.7 in magnitude (profiler feeds, R = 8);
+    losslessness is unaffected because verification uses these very logits as the draft distribution
+    q. Every node is named ``.../lm_head_int8/...``; the TensorRT lowering replaces them by
+    DequantizeLinear + MatMul (TensorRT has no MatMulInteger).
     """
     w_q, scale = quantize_lm_head(weight)
     name = "lm_head_int8"
@@ -155,7 +164,9 @@ def int8_lm_head(b: GraphBuilder, h: str, weight: np.ndarray) -> str:
                 to=onnx.TensorProto.UINT8)
     acc = b.op("MatMulInteger", [h_u8, b.weight("lm_head_int8.weight", w_q), b.const(128, "uint8")], name)
     acc = b.op("Cast", [acc], name, to=onnx.TensorProto.FLOAT)
-    return b.op("Mul", [b.op("Mul", [acc, row_scale], name), b.weight("lm_head_int8.scale", scale)], name)
+    finite_guard = b.op("Mul", [b.op("ReduceSum", [h, b.const([-1])], name, keepdims=1), b.const(0.0, "float32")], name)
+    scaled = b.op("Mul", [b.op("Mul", [acc, row_scale], name), b.weight("lm_head_int8.scale", scale)], name)
+    return b.op("Add", [scaled, finite_guard], name)
 
 
 def _embed_name(sd: dict, key: str, target_embed: np.ndarray | None) -> str:

@@ -15,10 +15,11 @@ CumSum that TensorRT 10 does not import). The lowering, per ``dspark`` node:
 - declares each output's type and shape (``value_info``) from the plugin's output rules, since ONNX shape
   inference knows nothing of a plugin node.
 
-An int8 drafter LM head (``exporter.drafter.int8_lm_head``: DynamicQuantizeLinear → MatMulInteger → Cast
-→ Mul, none of which TensorRT 10 imports except the Mul) becomes weight-only int8:
-``MatMul(h, DequantizeLinear(w_q, scale, axis=1))`` with the same int8 weights and per-vocabulary scales
-(zero point 0, which TensorRT requires), so the plan stays small; the activations are not quantized.
+An int8 drafter LM head (``exporter.drafter.int8_lm_head``: per-row quantization of h with Abs, ReduceMax,
+Round, Clip and Cast to uint8, then MatMulInteger, which TensorRT 10 does not import, and the scale
+products) becomes weight-only int8: ``MatMul(h, DequantizeLinear(w_q, scale, axis=1))`` with the same int8
+weights and per-vocabulary scales (zero point 0, which TensorRT requires), so the plan stays small; the
+activations are not quantized (``trt compare`` uses the same form as its reference, see compare.py).
 
 The ops' local functions are dropped (a plugin is then the only way to import the node). Every other node
 is kept as it is: TensorRT 10 imports the rest of our graphs as they are (int64 is native since TensorRT
