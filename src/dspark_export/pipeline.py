@@ -266,7 +266,7 @@ def _write_report(manifest: Manifest) -> None:
                     manifest.root)
 
 
-def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str = "float32") -> dict:
+def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str) -> dict:
     graph_dir.mkdir(parents=True, exist_ok=True)
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
                                     graph_dir / "target.onnx")

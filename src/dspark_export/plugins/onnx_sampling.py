@@ -67,6 +67,12 @@ def emit_softmax(b: NodeBuilder, x: str) -> str:
     return b.op("Div", exp, b.op("ReduceSum", exp, axes, keepdims=1))
 
 
+def emit_greedy_masks(b: NodeBuilder, temperature: str) -> tuple[str, str]:
+    """(is_greedy [n] bool: temperature <= 0, all_greedy: a scalar bool, True when every row is greedy or n = 0)."""
+    is_greedy = b.op("LessOrEqual", temperature, b.const(0, F32))
+    return is_greedy, b.op("Not", emit_any(b, b.op("Not", is_greedy)))
+
+
 def emit_any(b: NodeBuilder, mask: str) -> str:
     """A scalar bool: whether any element of the bool tensor ``mask`` is true (False when empty)."""
     count = b.op("ReduceSum", b.op("Cast", mask, to=TensorProto.INT64), keepdims=0)

@@ -166,13 +166,12 @@ class FusedVocabLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def _chunk(h, W, a, W2, t, lo, hi, bf16):
-        mm_dtype = torch.bfloat16 if bf16 else torch.float32
-        Wm = W.to(mm_dtype)
-        z = (h[lo:hi].to(mm_dtype) @ Wm.T).float()
+    def _chunk(h, W, a, W2, t, lo, hi):
+        mm_dtype = W.dtype   # the caller passes W already in the matmul dtype
+        z = (h[lo:hi].to(mm_dtype) @ W.T).float()
         if a.shape[1]:
             z = z + a[lo:hi] @ W2.T
-        tz = (t[lo:hi].to(mm_dtype) @ Wm.T).float()
+        tz = (t[lo:hi].to(mm_dtype) @ W.T).float()
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         p = torch.exp(z - lse)
         q = torch.softmax(tz, dim=-1)
@@ -191,7 +190,7 @@ class FusedVocabLoss(torch.autograd.Function):
             Wc = W.to(torch.bfloat16) if bf16 else W
             for lo in range(0, M, chunk):
                 hi = min(M, lo + chunk)
-                z, lse, p, q = FusedVocabLoss._chunk(h, Wc, a, W2, t, lo, hi, bf16)
+                z, lse, p, q = FusedVocabLoss._chunk(h, Wc, a, W2, t, lo, hi)
                 ce[lo:hi] = lse[:, 0] - z.gather(1, labels[lo:hi, None])[:, 0]
                 d = p - q
                 l1[lo:hi] = d.abs().sum(-1)
@@ -245,13 +244,14 @@ def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights 
     valid = (batch.valid & batch.keep[:, :, None]).float()
     w = valid * torch.exp(-torch.arange(G, dtype=torch.float32) / weights.decay)
     wsum = w.sum().clamp(min=1e-6)
+    w1_prev = drafter.markov_head.markov_w1(prev) if drafter.markov_head is not None else None  # [B, N, γ, r]
     if fused:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hidden, _ = block_forward(drafter, batch, logits=False)
         hidden = hidden.float()
         H, V = hidden.shape[-1], cfg.vocab_size
         if drafter.markov_head is not None:
-            a, W2 = drafter.markov_head.markov_w1(prev).reshape(-1, cfg.markov_rank), drafter.markov_head.markov_w2.weight
+            a, W2 = w1_prev.reshape(-1, cfg.markov_rank), drafter.markov_head.markov_w2.weight
         else:
             a, W2 = hidden.new_zeros(hidden.shape[:-1].numel(), 0), hidden.new_zeros(V, 0)
         ce, l1, top = FusedVocabLoss.apply(hidden.reshape(-1, H), drafter.lm_head.weight.detach(), a, W2,
@@ -277,7 +277,7 @@ def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights 
     if drafter.confidence_head is not None and weights.bce > 0:
         conf_in = hidden.float()
         if cfg.confidence_head_with_markov and drafter.markov_head is not None:
-            conf_in = torch.cat((conf_in, drafter.markov_head.markov_w1(prev).float()), dim=-1)
+            conf_in = torch.cat((conf_in, w1_prev.float()), dim=-1)
         z = drafter.confidence_head(conf_in)
         bce = F.binary_cross_entropy_with_logits(z, alpha, reduction="none")
         loss = loss + weights.bce * (w * bce).sum() / wsum

@@ -40,13 +40,13 @@ def reference_session(graph_path: Path, name: str):
     from onnxruntime import GraphOptimizationLevel
     from polygraphy.backend.onnxrt import SessionFromOnnx
 
-    from .lowering import LoweredGraph, _lower_int8_heads
+    from .lowering import lower_int8_heads
 
     header = onnx.load(str(graph_path), load_external_data=False)
     if not any("/lm_head_int8/" in n.name for n in header.graph.node):
         return SessionFromOnnx(str(graph_path), providers=["CPUExecutionProvider"])
     model = onnx.load(str(graph_path))
-    _lower_int8_heads(model.graph, LoweredGraph(name, model))
+    lower_int8_heads(model.graph, name)
     return SessionFromOnnx(model.SerializeToString(), providers=["CPUExecutionProvider"],
                            graph_optimization_level=GraphOptimizationLevel.ORT_ENABLE_BASIC)
 

@@ -49,7 +49,8 @@ from ...plugins.tensorrt_spec import PLUGIN_NAMESPACE, PLUGIN_SPECS, PLUGIN_VERS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoweredGraph", "lower_model", "lower_file", "PLACEHOLDER_PREFIX", "LOWERED_SUFFIX"]
+__all__ = ["LoweredGraph", "lower_model", "lower_file", "lower_int8_heads", "PLACEHOLDER_PREFIX",
+           "LOWERED_SUFFIX"]
 
 PLACEHOLDER_PREFIX = "dspark_trt.absent."
 """Name prefix of the placeholder initializers fed to absent optional plugin inputs."""
@@ -158,7 +159,7 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
     out.CopyFrom(model)
     result = LoweredGraph(name, out)
     _refuse_nested(out.graph, name, top=True)
-    _lower_int8_heads(out.graph, result)
+    result.int8_heads = lower_int8_heads(out.graph, name)
     if not any(n.domain == DOMAIN for n in out.graph.node):
         if result.int8_heads and check:
             _check(result)
@@ -227,9 +228,11 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
     return result
 
 
-def _lower_int8_heads(graph: onnx.GraphProto, result: LoweredGraph) -> None:
-    """Replace each int8 LM head (the nodes named ``.../lm_head_int8/...``, see the module docstring) in place;
-    records the new MatMul in ``result.int8_heads``.
+def lower_int8_heads(graph: onnx.GraphProto, name: str = "model") -> list[str]:
+    """Replace each int8 LM head (the nodes named ``.../lm_head_int8/...``, see the module docstring) in place.
+
+    Returns:
+        the names of the new MatMul nodes, one per head (empty when the graph has none).
 
     Raises:
         BuildError: a head whose nodes do not read exactly one activation and the int8 weight and scale
@@ -240,11 +243,12 @@ def _lower_int8_heads(graph: onnx.GraphProto, result: LoweredGraph) -> None:
         if "/lm_head_int8/" in node.name:
             scopes.setdefault(node.name.split("/lm_head_int8/")[0] + "/lm_head_int8", []).append(node)
     if not scopes:
-        return
+        return []
     initializers = {t.name for t in graph.initializer}
     outputs = {o.name for o in graph.output}
     replaced: dict[int, list[onnx.NodeProto]] = {}
     drop: set[int] = set()
+    heads = []
     for base, group in scopes.items():
         made = {o for n in group for o in n.output}
         ids = {id(n) for n in group}
@@ -255,7 +259,7 @@ def _lower_int8_heads(graph: onnx.GraphProto, result: LoweredGraph) -> None:
         weight = next((i for i in reads if i.endswith("lm_head_int8.weight")), None)
         scale = next((i for i in reads if i.endswith("lm_head_int8.scale")), None)
         if len(activations) != 1 or len(used_outside) != 1 or weight is None or scale is None:
-            raise BuildError(f"{result.name}: int8 LM head {base!r} reads {activations} (+ weight {weight}, scale "
+            raise BuildError(f"{name}: int8 LM head {base!r} reads {activations} (+ weight {weight}, scale "
                              f"{scale}) and produces {used_outside}; expected one activation, the int8 weight and "
                              "scale, and one output. Rebuild the engine directory with this version of dspark-export")
         dequantized = f"{base}/DequantizeLinear/output_0"
@@ -263,7 +267,7 @@ def _lower_int8_heads(graph: onnx.GraphProto, result: LoweredGraph) -> None:
             helper.make_node("DequantizeLinear", [weight, scale], [dequantized], name=f"{base}/DequantizeLinear", axis=1),
             helper.make_node("MatMul", [activations[0], dequantized], used_outside, name=f"{base}/MatMul")]
         drop |= ids
-        result.int8_heads.append(f"{base}/MatMul")
+        heads.append(f"{base}/MatMul")
     nodes = []
     for node in graph.node:
         if id(node) in replaced:
@@ -272,6 +276,7 @@ def _lower_int8_heads(graph: onnx.GraphProto, result: LoweredGraph) -> None:
             nodes.append(node)
     del graph.node[:]
     graph.node.extend(nodes)
+    return heads
 
 
 def _refuse_nested(graph: onnx.GraphProto, name: str, top: bool) -> None:

@@ -27,7 +27,7 @@ from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
 from dspark_export.plugins.markov_draft.schema import SCHEMA, MarkovDraftConfig
 from dspark_export.plugins.onnx_builder import NodeBuilder, make_function as _make_function, make_if
-from dspark_export.plugins.onnx_sampling import emit_any, emit_argmax, emit_sample, emit_warp_probs, unsqueeze_last
+from dspark_export.plugins.onnx_sampling import emit_argmax, emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 
 I64 = np.int64
 
@@ -44,8 +44,7 @@ def make_function(**static_config) -> onnx.FunctionProto:
     """
     config = MarkovDraftConfig.from_dict(static_config)
     b = NodeBuilder("/MarkovDraft/")
-    is_greedy = b.op("LessOrEqual", "temperature", b.const(0, np.float32))
-    all_greedy = b.op("Not", emit_any(b, b.op("Not", is_greedy)))  # True for R = 0 too
+    is_greedy, all_greedy = emit_greedy_masks(b, "temperature")
     w2_t = b.op("Transpose", "markov_w2") if config.has_markov else None
     ids, logits, prev = [], [], "anchor_ids"
     for k in range(config.block_size):

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
 from dspark_export.plugins.onnx_builder import NodeBuilder, make_function as _make_function
-from dspark_export.plugins.onnx_sampling import emit_any, emit_sample, emit_warp_probs, unsqueeze_last
+from dspark_export.plugins.onnx_sampling import emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 from dspark_export.plugins.speculative_verify.schema import SCHEMA
 
 F32, I64 = np.float32, np.int64
@@ -47,8 +47,7 @@ def make_function(**static_config) -> onnx.FunctionProto:
     is_verified = b.op("Less", b.op("Range", b.const(0, I64), dims["gamma_scalar"], b.const(1, I64)),
                        unsqueeze_last(b, "verify_lens"))  # [R, γ]
     draft_ids = b.op("Where", is_verified, "draft_ids", b.const(0, I64))  # unverified slots may hold placeholders
-    is_greedy = b.op("LessOrEqual", "temperature", b.const(0, F32))
-    all_greedy = b.op("Not", emit_any(b, b.op("Not", is_greedy)))  # True for R = 0 too
+    is_greedy, all_greedy = emit_greedy_masks(b, "temperature")
 
     fast = b.branch("greedy/")
     fast_argmax = fast.op("Gather", fast.op("ArgMax", "target_logits", axis=-1, keepdims=0), rows, axis=0)  # [R, γ+1]
