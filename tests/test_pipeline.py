@@ -77,8 +77,8 @@ def test_oracle_drafts_exercise_acceptance(runtime, monkeypatch):
     original = Generator._draft
     calls = {"n": 0}
 
-    def oracle(self, active):
-        out = original(self, active)
+    def oracle(self, active, flushed):
+        out = original(self, active, flushed)
         ids = out["draft_ids"].copy()
         for s in active:
             future = ar[tuple(s.prompt.tolist())][len(s.result.token_ids):]

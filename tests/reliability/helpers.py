@@ -27,8 +27,10 @@ def check_lengths(gen) -> None:
             continue
         committed = len(s.prompt) + len(s.result.token_ids)
         assert gen.target_kv.lens[s.slot] == committed - 1 == s.start, (s.index, gen.target_kv.lens, committed)
-        if gen.policy.drafts:
-            assert gen.draft_kv.lens[s.slot] == committed - 1, (s.index, gen.draft_kv.lens, committed)
+        if gen.policy.drafts:   # drafter context = flushed rows + the backlog the next draft flushes first
+            assert gen.draft_kv.lens[s.slot] + s.backlog_rows == committed - 1, \
+                (s.index, gen.draft_kv.lens, s.backlog_rows, committed)
+            assert s.backlog_rows < 2 * gen.backlog_limit
         assert s.anchor == s.result.token_ids[-1]
 
 
@@ -36,7 +38,7 @@ def fresh_caches(engines, ids: list[int]):
     """K/V of a fresh prefill of `ids` (one request, empty past), and the drafter context of its rows.
 
     Returns (target_keys, target_values, context_keys, context_values), each a list per layer of
-    [kvH, n, D] float32.
+    [kvH, n, D] float32, and the tapped features aux [n, F] float32.
     """
     spec = engines.manifest.data["graphs"]["target"]["spec"]
     cache = KVCache(spec["num_layers"], 1, spec["num_kv_heads"], spec["head_dim"], len(ids) + 1, len(ids) + 1)
@@ -72,25 +74,32 @@ def fresh_caches(engines, ids: list[int]):
             ck[i].append(out[f"context_key.{i}"][:m])
             cv[i].append(out[f"context_value.{i}"][:m])
     to_heads = (lambda x: np.concatenate(x).transpose(1, 0, 2))
-    return keys, values, [to_heads(x) for x in ck], [to_heads(x) for x in cv]
+    return keys, values, [to_heads(x) for x in ck], [to_heads(x) for x in cv], aux
 
 
 def check_caches_equal_fresh(gen, atol: float = 1e-4) -> None:
     """The cached rows of every decoding request equal a fresh prefill of its committed sequence
-    (minus the pending anchor): no stale, skipped or duplicated row, no row of a rejected draft."""
+    (minus the pending anchor): no stale, skipped or duplicated row, no row of a rejected draft. The
+    drafter context holds the first rows, its backlog the rest (features and positions, in order)."""
     for s in live_states(gen):
         if not s.decoding:
             continue
         seq = list(s.prompt) + s.result.token_ids[:-1]
         n = len(seq)
-        keys, values, ck, cv = fresh_caches(gen.engines, seq)
+        keys, values, ck, cv, aux = fresh_caches(gen.engines, seq)
         for layer in range(gen.target_kv.num_layers):
             np.testing.assert_allclose(gen.target_kv.keys[layer][s.slot, :, :n], keys[layer], atol=atol)
             np.testing.assert_allclose(gen.target_kv.values[layer][s.slot, :, :n], values[layer], atol=atol)
         if gen.policy.drafts:
+            m = int(gen.draft_kv.lens[s.slot])
             for layer in range(gen.draft_kv.num_layers):
-                np.testing.assert_allclose(gen.draft_kv.keys[layer][s.slot, :, :n], ck[layer], atol=atol)
-                np.testing.assert_allclose(gen.draft_kv.values[layer][s.slot, :, :n], cv[layer], atol=atol)
+                np.testing.assert_allclose(gen.draft_kv.keys[layer][s.slot, :, :m], ck[layer][:, :m], atol=atol)
+                np.testing.assert_allclose(gen.draft_kv.values[layer][s.slot, :, :m], cv[layer][:, :m], atol=atol)
+            if s.backlog:
+                np.testing.assert_array_equal(np.concatenate([p for _, p in s.backlog]), np.arange(m, n))
+                np.testing.assert_allclose(np.concatenate([a for a, _ in s.backlog]), aux[m:n], atol=atol)
+            else:
+                assert m == n
 
 
 # -- detokenizers ----------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def test_sd04_verify_rows_match_single_token_decode_logits(rel_runtime, k):
     past = 40
     from .helpers import fresh_caches
 
-    keys, values, _, _ = fresh_caches(engines, seq)
+    keys, values, _, _, _ = fresh_caches(engines, seq)
     L = len(keys)
     P = len(seq) + 1
 

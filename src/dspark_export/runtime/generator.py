@@ -8,8 +8,11 @@ Requests are submitted at any time and admitted into KV slots. One step for the 
 3. verify: one packed target pass over [anchor, draft_1..draft_ℓ] of every decoding request plus
    prefill chunks of newly admitted ones, then the `SpeculativeVerify` engine accepts a prefix and
    draws the recovered/bonus token (and the first token of requests whose prefill just ended);
-4. commit: the target KV and the drafter context advance by accepted+1 rows (the anchor and the
-   accepted drafts); rejected rows are never written; the recovered/bonus token is the next anchor;
+4. commit: the target KV advances by accepted+1 rows (the anchor and the accepted drafts), and their
+   tapped features join the request's drafter-context backlog; rejected rows are never written; the
+   recovered/bonus token is the next anchor. The backlog runs through the drafter context engine just
+   before the request's next draft (or once it reaches the largest context bucket), so steps that
+   skip the drafter (`ar`-like rounds of dspark-async) pay no drafter cost at all;
 5. stop on EOS/stop ids, exactly max_new_tokens, or the engine's context capacity.
 
 Host/device split: token ids, positions and caches are numpy on the host; every model computation
@@ -72,6 +75,10 @@ class _State:
     done: bool = False
     cancelled: bool = False
     t0: float = field(default_factory=time.perf_counter)
+    # drafter-context backlog: tapped features [n, F] float32 and positions [n] int64 of committed rows
+    # not yet run through `drafter_context` (draft_kv.lens + backlog_rows == target_kv.lens)
+    backlog: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    backlog_rows: int = 0
 
     @property
     def start(self) -> int:
@@ -138,6 +145,8 @@ class Generator:
         tg, dg = m["graphs"]["target"]["spec"], m["graphs"]["drafter_block"]["spec"]
         self.target_kv = KVCache(tg["num_layers"], 0, tg["num_kv_heads"], tg["head_dim"], self.max_context, 256)
         self.draft_kv = KVCache(dg["num_layers"], 0, dg["num_kv_heads"], dg["head_dim"], self.max_context, 256)
+        # a backlog this long is flushed even without a draft: one full context call, bounded memory
+        self.backlog_limit = engines.buckets("drafter_context")[-1]
 
     @property
     def num_slots(self) -> int:
@@ -317,6 +326,7 @@ class Generator:
 
     def _finish(self, s: _State, tokens: list[int] | None = None) -> None:
         s.done = True
+        s.backlog, s.backlog_rows = [], 0      # never needed again; free the features now
         s.result.stats.wall_s = time.perf_counter() - s.t0
         if s.on_token:
             s.on_token(s.index, tokens or [], s.result)
@@ -366,8 +376,12 @@ class Generator:
         request or cache (only the requests' random streams advance)."""
         decoding = [s for s in active if s.decoding]
         failed: dict[int, str] = {}
-        drafts = self._draft(decoding) if self.policy.drafts and decoding and not self._skip_drafting(decoding) \
-            else None
+        drafting = bool(self.policy.drafts and decoding and not self._skip_drafting(decoding))
+        flush = [s for s in active if s.backlog_rows and ((drafting and s.decoding)
+                                                          or s.backlog_rows >= self.backlog_limit)]
+        flushed = self._flush_context(flush, failed)
+        decoding = [s for s in decoding if s.slot not in failed]
+        drafts = self._draft(decoding, flushed) if drafting and decoding else None
         if drafts is not None:
             failed.update(self._check_drafts(drafts, decoding))
             decoding = [s for s in decoding if s.slot not in failed]
@@ -385,7 +399,7 @@ class Generator:
                                     "last" if last else "none"))
             prefill[s.slot], budget = s.prefilled + n, budget - n
             finishing += [s] if last else []
-        rnd = _Round(active, decoding, finishing, prefill, verify_lens, drafts, conf, failed)
+        rnd = _Round(active, decoding, finishing, prefill, verify_lens, drafts, conf, failed, flushed=flushed)
         if not segments:
             return rnd
         packed, out = self._target_pass(segments)
@@ -410,15 +424,17 @@ class Generator:
         confidences is 0 (nothing would be verified, `scheduler.dspark_async_capacity`).
 
         Skipping gives no new confidences, so every `probe_interval` skipped steps the history is cleared:
-        the next steps draft again (Algorithm 1 on fresh confidences, then K* from them). The interval
+        the next step drafts again (a probe: Algorithm 1 on fresh confidences), and the step after it
+        takes K* from the probe's confidences (the newest known, at most one step old). The interval
         doubles after each probe that ends in another skip (4, 8, ..., 64 steps) and drops back to 4 when
-        drafting pays again. The drafter context keeps growing with every committed token either way
-        (`_commit_rows` / `_apply`), so a skipped block never leaves the drafter state stale (failure case
-        SD-20). This is scheduling bookkeeping, not request state: a step retried after an engine error may
-        count a skip twice, which only moves the next probe earlier.
+        drafting pays again. A skipped step pays no drafter cost at all: its committed rows wait in the
+        request's drafter-context backlog, which the next draft flushes first (`_flush_context`), so the
+        drafter never works from a stale context (failure case SD-20). This is scheduling bookkeeping,
+        not request state: a step retried after an engine error may count a skip twice, which only
+        moves the next probe earlier.
         """
         if self.policy.name != "dspark-async" or self.profile is None or not self.profile.has_draft_cost \
-                or len(self._history) < 2:
+                or not self._history:
             return False
         if self._skipped >= self._probe_interval:
             self._history, self._skipped = [], 0
@@ -438,11 +454,19 @@ class Generator:
                 s.prefilled = rnd.prefill[s.slot]
         if rnd.conf is not None:
             self._history = (self._history + [rnd.conf])[-2:]
+        for s in rnd.active:                  # the flushed backlog rows, written past lens in _compute
+            if s.slot in rnd.flushed and s.slot not in rnd.failed:
+                self.draft_kv.lens[s.slot] = rnd.flushed[s.slot]
+                s.backlog, s.backlog_rows = [], 0
         if rnd.commit is not None:
             c = rnd.commit
             self.target_kv.append(c.slots, c.target_keys, c.target_values)
-            if c.context_keys is not None:
-                self.draft_kv.append(c.slots, c.context_keys, c.context_values)
+            if c.aux is not None:
+                for s in rnd.active:
+                    rows = np.flatnonzero(c.slots == s.slot)
+                    if rows.size:
+                        s.backlog.append((c.aux[rows], c.positions[rows]))
+                        s.backlog_rows += rows.size
         drafts = rnd.drafts
         for s in rnd.decoding:
             if s.slot in rnd.failed:
@@ -586,28 +610,48 @@ class Generator:
         return packed, self._infer(runner, feed)
 
     def _commit_rows(self, packed, out: dict, keep: dict[int, int], failed: dict[int, str]) -> "_Commit":
-        """The first keep[slot] rows of each slot's segment, for the target KV and the drafter context
-        (features of committed rows only; DeepSpec spec §5.2 pitfall 2). Runs the drafter context
-        engine; slots whose context rows come back non-finite are added to `failed` and dropped."""
+        """The first keep[slot] rows of each slot's segment: their target K/V, and (when the policy
+        drafts) their tapped features and positions for the drafter-context backlog (features of
+        committed rows only; DeepSpec spec §5.2 pitfall 2). Rows of `failed` slots are dropped."""
         order = sorted(keep.items())
         slots = np.concatenate([np.full(n, slot, np.int64) for slot, n in order])
         rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in order])
-        positions = self.target_kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
         L = self.target_kv.num_layers
         c = _Commit(slots, [out[f"new_key.{i}"][rows] for i in range(L)], [out[f"new_value.{i}"][rows] for i in range(L)])
         if self.policy.drafts:
-            c.context_keys, c.context_values = self._context_rows(out["aux_hidden"][rows], positions)
-            n = len(slots)
-            ok = np.ones(n, bool)
-            for x in c.context_keys + c.context_values:
-                ok &= np.isfinite(x.reshape(n, -1).sum(axis=1))
-            for slot in np.unique(slots[~ok]):
-                failed[int(slot)] = (f"engine {self._last_key.get('drafter_context', 'drafter_context')} returned "
-                                     "non-finite drafter context rows for this request")
+            c.aux = out["aux_hidden"][rows]
+            c.positions = self.target_kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
         bad = np.isin(slots, np.array(sorted(failed), np.int64))
         if bad.any():
             c.keep_rows(~bad)
         return c
+
+    def _flush_context(self, states: list[_State], failed: dict[int, str]) -> dict[int, int]:
+        """Run the backlog of `states` through the drafter context engine and write the K/V rows into
+        the drafter cache PAST each slot's valid length (`KVCache.write`); `_apply` makes them valid.
+        A failed step therefore leaves the cache as it was. Slots whose context rows come back
+        non-finite are added to `failed` (their rows stay invalid).
+
+        Returns:
+            {slot: drafter context length once the step commits} for the flushed slots that did not fail
+            (the `context_lens` the drafter block reads this step).
+        """
+        if not states:
+            return {}
+        aux = np.concatenate([a for s in states for a, _ in s.backlog])
+        positions = np.concatenate([p for s in states for _, p in s.backlog])
+        slots = np.concatenate([np.full(s.backlog_rows, s.slot, np.int64) for s in states])
+        keys, values = self._context_rows(aux, positions)
+        n = len(slots)
+        ok = np.ones(n, bool)
+        for x in keys + values:
+            ok &= np.isfinite(x.reshape(n, -1).sum(axis=1))
+        for slot in np.unique(slots[~ok]):
+            failed[int(slot)] = (f"engine {self._last_key.get('drafter_context', 'drafter_context')} returned "
+                                 "non-finite drafter context rows for this request")
+        good = ~np.isin(slots, np.array(sorted(failed), np.int64))
+        self.draft_kv.write(slots[good], [k[good] for k in keys], [v[good] for v in values])
+        return {s.slot: int(self.draft_kv.lens[s.slot]) + s.backlog_rows for s in states if s.slot not in failed}
 
     def _context_rows(self, aux: np.ndarray, positions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Drafter context K/V [n, kvH, D] per drafter layer for committed rows aux [n, F] at `positions`."""
@@ -638,9 +682,11 @@ class Generator:
             top_k[s.slot], top_p[s.slot] = s.params.top_k, s.params.top_p
         return {"temperature": temp, "top_k": top_k, "top_p": top_p}
 
-    def _draft(self, active: list[_State]) -> dict[str, np.ndarray]:
+    def _draft(self, active: list[_State], flushed: dict[int, int]) -> dict[str, np.ndarray]:
         """Drafts for every slot: {"draft_ids" [S, γ] int64, "draft_logits" [S, γ, V] float32,
-        "confidence" [S, γ] float32}; rows of slots not in `active` are ignored."""
+        "confidence" [S, γ] float32}; rows of slots not in `active` are ignored. `flushed`: the
+        drafter context lengths this step's flush reaches (`_flush_context`); every active request's
+        backlog has been flushed, so its context covers every position before its anchor."""
         if self.drafter is not None:
             return self.drafter(self, active)
         anchors = np.zeros(self.num_slots, np.int64)
@@ -649,7 +695,10 @@ class Generator:
         for s in active:
             anchors[s.slot], starts[s.slot] = s.anchor, s.start
             uniforms[s.slot] = s.rng.random(self.block_size, dtype=np.float32)
-        feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": self.draft_kv.lens.copy(),
+        context_lens = self.draft_kv.lens.copy()
+        for slot, n in flushed.items():
+            context_lens[slot] = n
+        feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": context_lens,
                 **self.draft_kv.feed("context_key", "context_value"), **self._sampling_feed(active),
                 "uniforms": uniforms, "confidence_temperature": self.sts}
         return self._infer(self.engines.runner("drafter_block", self.num_slots), feed)
@@ -683,22 +732,22 @@ class Generator:
 
 @dataclass
 class _Commit:
-    """Rows one step commits: slot of each row [n] int64 (a slot's rows in position order), and per
-    layer the target's new K/V [n, kvH, D] and the drafter context K/V (None when nothing drafts)."""
+    """Rows one step commits: slot of each row [n] int64 (a slot's rows in position order), per layer
+    the target's new K/V [n, kvH, D], and for the drafter-context backlog the rows' tapped features
+    aux [n, F] float32 and positions [n] int64 (None when the policy never drafts)."""
 
     slots: np.ndarray
     target_keys: list[np.ndarray]
     target_values: list[np.ndarray]
-    context_keys: list[np.ndarray] | None = None
-    context_values: list[np.ndarray] | None = None
+    aux: np.ndarray | None = None
+    positions: np.ndarray | None = None
 
     def keep_rows(self, mask: np.ndarray) -> None:
         self.slots = self.slots[mask]
         self.target_keys = [x[mask] for x in self.target_keys]
         self.target_values = [x[mask] for x in self.target_values]
-        if self.context_keys is not None:
-            self.context_keys = [x[mask] for x in self.context_keys]
-            self.context_values = [x[mask] for x in self.context_values]
+        if self.aux is not None:
+            self.aux, self.positions = self.aux[mask], self.positions[mask]
 
 
 @dataclass
@@ -716,3 +765,4 @@ class _Round:
     num_accepted: np.ndarray | None = None
     next_ids: np.ndarray | None = None
     commit: _Commit | None = None
+    flushed: dict[int, int] = field(default_factory=dict)  # slot -> drafter context length after the flush

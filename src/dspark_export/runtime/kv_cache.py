@@ -54,16 +54,23 @@ class KVCache:
 
     def append(self, slots: np.ndarray, new_keys: list[np.ndarray], new_values: list[np.ndarray],
                rows: np.ndarray | None = None) -> None:
-        """Write new entries at the end of their slots, in order.
+        """Write new entries at the end of their slots, in order, and make them valid.
 
         Args:
             slots: [n] int64, the slot of each new entry (a slot's entries appear in position order).
             new_keys, new_values: per layer [N, kvH, D] float32 (an engine's packed output).
             rows: [n] int64, which of the N rows to write; defaults to all rows (n == N).
         """
+        self.lens += self.write(slots, new_keys, new_values, rows)
+
+    def write(self, slots: np.ndarray, new_keys: list[np.ndarray], new_values: list[np.ndarray],
+              rows: np.ndarray | None = None) -> np.ndarray:
+        """Like `append`, but leave `lens` as it is: the entries sit past each slot's valid length, where
+        every engine masks them, until the caller raises `lens` (a step that may still fail writes
+        this way). Returns the entries written per slot, [S] int64."""
         slots = np.asarray(slots, np.int64)
         if slots.size == 0:
-            return
+            return np.zeros(self.num_slots, np.int64)
         counts = np.bincount(slots, minlength=self.num_slots)
         # entry i of slot s goes to lens[s] + (its rank among slot s's entries)
         order = np.argsort(slots, kind="stable")
@@ -78,7 +85,7 @@ class KVCache:
                 k, v = k[rows], v[rows]
             self.keys[layer][slots, :, positions] = k
             self.values[layer][slots, :, positions] = v
-        self.lens += counts
+        return counts
 
     def reset(self, slot: int) -> None:
         self.lens[slot] = 0
