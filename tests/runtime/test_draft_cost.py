@@ -10,7 +10,8 @@ from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 from dspark_export.runtime.scheduler import (ThroughputProfile, dspark_async_capacity, dspark_lengths,
-                                             expected_throughput)
+                                             expected_throughput, mean_survival_capacity)
+from dspark_export.runtime.self_draft import TargetDrafter
 
 from ..test_pipeline import BUCKETS, PROMPTS  # noqa: F401  (same tiny engine directory)
 from ..test_pipeline import engine_dir, runtime  # noqa: F401  (module fixtures)
@@ -149,3 +150,37 @@ def test_the_backlog_is_bounded_by_the_largest_context_bucket(runtime):  # noqa:
         assert state.backlog_rows < 2 * limit
     assert peak >= limit and gen.result(rid).token_ids == _solo(runtime, prompt, 20)
     assert graphs.index("drafter_context") < graphs.index("drafter_block")
+
+
+def test_mean_survival_capacity_worked_example():
+    p = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
+    hi, lo = np.cumprod(np.full(4, 0.95)), np.cumprod(np.full(4, 0.05))
+    assert mean_survival_capacity((hi + lo) / 2, 1, p) == 3
+    assert mean_survival_capacity(lo, 1, p) == 0 and dspark_async_capacity(np.full((1, 4), 0.05, np.float32), 1, p) == 0
+    assert mean_survival_capacity(hi, 1, p) == 4
+    with pytest.raises(ValueError, match="mean_survival"):
+        mean_survival_capacity(np.array([1.5]), 1, p)
+
+
+class _AlternatingConfidence:
+    """The target drafting for itself, reporting confidence 0.95 and 0.05 on alternate calls."""
+
+    def __init__(self):
+        self.base, self.calls = TargetDrafter(), 0
+
+    def __call__(self, gen, active):
+        out = dict(self.base(gen, active))
+        self.calls += 1
+        out["confidence"] = np.full_like(out["confidence"], 0.95 if self.calls % 2 else 0.05)
+        return out
+
+
+def test_async_skip_follows_the_mean_not_one_unlucky_step(runtime):  # noqa: F811
+    """Confidences alternating between 0.95 and 0.05: drafting pays on average (K* = 3 on the mean, see
+    the worked example), so dspark-async keeps drafting, though every other step alone says K* = 0."""
+    drafter = _AlternatingConfidence()
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
+    gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
+    result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=30)])[0]
+    assert result.token_ids == _solo(runtime, PROMPTS[0], 30)
+    assert drafter.calls >= 8 and gen.drafts_skipped == 0

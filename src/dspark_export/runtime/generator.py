@@ -37,13 +37,14 @@ from ..errors import EngineDirError, EngineRunError, RequestError
 from .kv_cache import KVCache
 from .policies import Policy
 from .request import GREEDY_BELOW, GenerationResult, SamplingParams
-from .scheduler import ThroughputProfile, dspark_async_capacity
+from .scheduler import ThroughputProfile, mean_survival_capacity, survival_probs
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Generator"]
 
 _MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps between drafter probes
+_SURVIVAL_EMA = 0.25   # dspark-async skip decision: weight of the newest drafted step in the mean survival
 
 
 def _load_profile(engines: EngineSet) -> ThroughputProfile:
@@ -134,6 +135,7 @@ class Generator:
         self.profile = _load_profile(engines) if policy.needs_profile else None
         self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
         self._skipped, self._probe_interval = 0, _MIN_PROBE_INTERVAL  # dspark-async drafter skipping
+        self._mean_survival: np.ndarray | None = None  # [γ] running mean over drafted steps (skip decision)
         self.drafts_skipped = 0  # steps whose drafter block was skipped (dspark-async), for benchmarks
         self._lock = threading.Lock()
         self._waiting: deque[_State] = deque()
@@ -420,8 +422,12 @@ class Generator:
         return rnd
 
     def _skip_drafting(self, decoding: list[_State]) -> bool:
-        """dspark-async with a known drafter cost: skip the drafter block when the capacity K* from earlier
-        confidences is 0 (nothing would be verified, `scheduler.dspark_async_capacity`).
+        """dspark-async with a known drafter cost: skip the drafter block when drafting does not pay on
+        average: the capacity K* for the current R on the running mean survival of earlier drafted
+        steps is 0 (`scheduler.mean_survival_capacity`; the mean weighs the newest drafted step by
+        0.25). One step's survivals decide nothing alone: at R = 1 they swing from ~0 to ~1 between
+        tokens, and a decision on them switches a drafter that pays on average off for whole probe
+        intervals. (Which positions a drafted step verifies is still §5.2's lagged capacity.)
 
         Skipping gives no new confidences, so every `probe_interval` skipped steps the history is cleared:
         the next step drafts again (a probe: Algorithm 1 on fresh confidences), and the step after it
@@ -440,7 +446,7 @@ class Generator:
             self._history, self._skipped = [], 0
             self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
             return False
-        if dspark_async_capacity(self._history[0], len(decoding), self.profile) > 0:
+        if self._mean_survival is None or mean_survival_capacity(self._mean_survival, len(decoding), self.profile) > 0:
             self._probe_interval = _MIN_PROBE_INTERVAL
             return False
         self._skipped += 1
@@ -454,6 +460,9 @@ class Generator:
                 s.prefilled = rnd.prefill[s.slot]
         if rnd.conf is not None:
             self._history = (self._history + [rnd.conf])[-2:]
+            a = survival_probs(rnd.conf).mean(axis=0)
+            self._mean_survival = a if self._mean_survival is None else \
+                (1 - _SURVIVAL_EMA) * self._mean_survival + _SURVIVAL_EMA * a
         for s in rnd.active:                  # the flushed backlog rows, written past lens in _compute
             if s.slot in rnd.flushed and s.slot not in rnd.failed:
                 self.draft_kv.lens[s.slot] = rnd.flushed[s.slot]

@@ -32,7 +32,8 @@ import numpy as np
 from ..errors import ProfileError
 
 __all__ = ["ThroughputProfile", "survival_probs", "expected_throughput", "search_capacity",
-           "top_k_lengths", "dspark_lengths", "dspark_async_lengths", "dspark_async_capacity"]
+           "top_k_lengths", "dspark_lengths", "dspark_async_lengths", "dspark_async_capacity",
+           "mean_survival_capacity"]
 
 
 @dataclass(frozen=True)
@@ -334,6 +335,35 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
     k = dspark_async_capacity(lagged_confidence, a.shape[0], profile)
     order, _ = _sorted_candidates(a)
     return top_k_lengths(order, a.shape[0], k)
+
+
+def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
+    """K* = argmax_K Θ(K) when each of R requests has the survival curve `mean_survival` (no early stop,
+    K = 0 priced without the drafter, as `dspark_async_capacity`): whether drafting pays on average.
+
+    The runtime's drafter-skip decision uses it on a running mean of the survivals of earlier drafted
+    steps, so one unlucky step's low confidences do not switch the drafter off (a single step's
+    survivals are noisy: at R = 1 they swing between ~0 and ~1 from one token to the next).
+
+    Worked example (buckets {1: 40, 2: 28, 4: 25, 8: 20} steps/s, d(1) = 10 ms, R = 1): steps that
+    alternate between c = 0.95 and c = 0.05 at each of 4 positions have mean survival
+    [0.5, 0.45, 0.43, 0.41]. Θ_0 = 40 tokens/s (no drafter), Θ_3 = (1 + 1.38) / (40 + 10 ms) = 47.7,
+    Θ_4 = (1 + 1.79) / (50 + 10 ms) = 46.5: K* = 3, draft. The c = 0.05 step alone gives K* = 0.
+
+    Args:
+        mean_survival: [γ] float64, non-increasing, in [0, 1].
+        num_requests: R.
+        profile: SPS(B), with d(R) where known.
+    Returns:
+        K* ≥ 0.
+    Raises:
+        ValueError: mean_survival not 1-D or outside [0, 1].
+    """
+    a = np.asarray(mean_survival, np.float64)
+    if a.ndim != 1 or not np.all((a >= 0) & (a <= 1)):
+        raise ValueError(f"mean_survival: expected [γ] values in [0, 1], found shape {a.shape}")
+    ranked = np.sort(np.repeat(a, num_requests))[::-1]
+    return search_capacity(ranked[ranked > 0], num_requests, profile, early_stop=False, draft_at_zero=False)
 
 
 def dspark_async_capacity(lagged_confidence: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
