@@ -31,6 +31,8 @@ def check_lengths(gen) -> None:
             assert gen.draft_kv.lens[s.slot] + s.backlog_rows == committed - 1, \
                 (s.index, gen.draft_kv.lens, s.backlog_rows, committed)
             assert s.backlog_rows < 2 * gen.backlog_limit
+        else:
+            assert not s.backlog and s.backlog_rows == 0
         assert s.anchor == s.result.token_ids[-1]
 
 

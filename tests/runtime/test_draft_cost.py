@@ -142,24 +142,33 @@ def test_the_backlog_is_bounded_by_the_largest_context_bucket(runtime):  # noqa:
     real = gen._infer
     gen._infer = lambda runner, feed: graphs.append(runner.key.graph) or real(runner, feed)
     rid = gen.submit(prompt, SamplingParams(max_new_tokens=20))
-    peak = 0
+    peak, flushed_while_prefilling = 0, False
     while gen.has_work():
+        n0 = len(graphs)
+        decoding = gen._requests[rid].decoding
         gen.step()
         state = gen._requests[rid]
+        flushed_while_prefilling |= not decoding and "drafter_context" in graphs[n0:]
         peak = max(peak, state.backlog_rows)
         assert state.backlog_rows < 2 * limit
     assert peak >= limit and gen.result(rid).token_ids == _solo(runtime, prompt, 20)
-    assert graphs.index("drafter_context") < graphs.index("drafter_block")
+    assert flushed_while_prefilling
 
 
 def test_mean_survival_capacity_worked_example():
     p = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
-    hi, lo = np.cumprod(np.full(4, 0.95)), np.cumprod(np.full(4, 0.05))
+    hi, lo = np.cumprod(np.full((1, 4), 0.95), axis=1), np.cumprod(np.full((1, 4), 0.05), axis=1)
     assert mean_survival_capacity((hi + lo) / 2, 1, p) == 3
     assert mean_survival_capacity(lo, 1, p) == 0 and dspark_async_capacity(np.full((1, 4), 0.05, np.float32), 1, p) == 0
     assert mean_survival_capacity(hi, 1, p) == 4
-    with pytest.raises(ValueError, match="mean_survival"):
-        mean_survival_capacity(np.array([1.5]), 1, p)
+    # per request, not averaged: one good request among three poor ones is worth drafting for
+    p4 = ThroughputProfile((1, 2, 4, 8, 16), (40.0, 28.0, 25.0, 20.0, 12.0), draft_requests=(4,), draft_ms=(5.0,))
+    four = np.concatenate([hi, lo, lo, lo])
+    assert mean_survival_capacity(four, 4, p4) > 0
+    assert mean_survival_capacity(np.repeat(four.mean(axis=0, keepdims=True), 4, axis=0), 4, p4) == 0
+    for bad in (np.array([[1.5]]), np.zeros(4), np.zeros((2, 4))):
+        with pytest.raises(ValueError, match="mean_survival"):
+            mean_survival_capacity(bad, 1, p)
 
 
 class _AlternatingConfidence:
@@ -184,3 +193,79 @@ def test_async_skip_follows_the_mean_not_one_unlucky_step(runtime):  # noqa: F81
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=30)])[0]
     assert result.token_ids == _solo(runtime, PROMPTS[0], 30)
     assert drafter.calls >= 8 and gen.drafts_skipped == 0
+
+
+class _ScriptedConfidence:
+    """The target drafting for itself, reporting confidence(call number, state) for each request."""
+
+    def __init__(self, confidence):
+        self.base, self.calls, self.confidence = TargetDrafter(), 0, confidence
+
+    def __call__(self, gen, active):
+        out = dict(self.base(gen, active))
+        out["confidence"] = out["confidence"].copy()
+        for s in active:
+            out["confidence"][s.slot] = self.confidence(self.calls, s)
+        self.calls += 1
+        return out
+
+
+def test_async_drafts_while_one_request_pays(runtime):  # noqa: F811
+    """Four requests, one with confidence 0.95 and three with 0.05: verifying the good one's drafts pays
+    (K* > 0 ranked per request), so the drafter is not skipped while it runs, though the survival
+    averaged over the four would say skip."""
+    good = []
+    drafter = _ScriptedConfidence(lambda call, s: 0.95 if s.index == good[0] else 0.05)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
+    gen.profile = ThroughputProfile((1, 2, 4, 8, 16), (40.0, 28.0, 25.0, 20.0, 12.0), draft_requests=(4,),
+                                    draft_ms=(15.0,))
+    ids = [gen.submit(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS[:4]]
+    good.append(ids[0])
+    steps = 0
+    while not gen.result(ids[0]).finish_reason:
+        gen.step()
+        steps += 1
+    assert gen.drafts_skipped == 0 and drafter.calls >= 6, (gen.drafts_skipped, drafter.calls, steps)
+    while gen.has_work():
+        gen.step()
+    for rid, p in zip(ids, PROMPTS[:4]):
+        assert gen.result(rid).token_ids == _solo(runtime, p, 40)
+
+
+def test_a_probe_restarts_the_estimate(runtime):  # noqa: F811
+    """Confidence 0.05 for the first drafts, then 0.95: the first probe after the change switches the
+    drafter back on (the probe's own survivals, not a mean still dominated by the old ones)."""
+    drafter = _ScriptedConfidence(lambda call, s: 0.05 if call < 2 else 0.95)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
+    gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
+    trace = []
+    rid = gen.submit(PROMPTS[0], SamplingParams(max_new_tokens=60))
+    while gen.has_work():
+        before = drafter.calls
+        gen.step()
+        trace.append("D" if drafter.calls > before else ".")
+    trace = "".join(trace).lstrip(".")     # prefill steps
+    # D (nothing known yet), skips on 0.05, then a probe of 2 drafts (0.05, 0.95) restarts the mean: drafting resumes
+    first_skip = trace.index(".")
+    resumed = trace.index("D", first_skip)
+    assert "." not in trace[resumed:resumed + 10], trace
+    assert gen.result(rid).token_ids == _solo(runtime, PROMPTS[0], 60)
+
+
+def test_ar_keeps_no_backlog_and_finished_requests_free_theirs(runtime):  # noqa: F811
+    gen = Generator(runtime.engines, parse_policy("ar"))
+    graphs = []
+    real = gen._infer
+    gen._infer = lambda runner, feed: graphs.append(runner.key.graph) or real(runner, feed)
+    rid = gen.submit(PROMPTS[1], SamplingParams(max_new_tokens=12))
+    while gen.has_work():
+        gen.step()
+        state = gen._requests[rid]
+        assert state.backlog == [] and state.backlog_rows == 0
+    assert "drafter_context" not in graphs and "drafter_block" not in graphs
+    spec = Generator(runtime.engines, parse_policy("fixed:2"))
+    rid = spec.submit(PROMPTS[1], SamplingParams(max_new_tokens=12))
+    while spec.has_work():
+        spec.step()
+    state = spec._requests[rid]
+    assert state.done and state.backlog == [] and state.backlog_rows == 0

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Generator"]
 
 _MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps between drafter probes
-_SURVIVAL_EMA = 0.25   # dspark-async skip decision: weight of the newest drafted step in the mean survival
+_SURVIVAL_EMA = 0.25   # dspark-async skip decision: least weight of a request's newest drafted step
+_PROBE_STEPS = 2       # dspark-async: drafted steps per probe (their mean restarts each request's estimate)
 
 
 def _load_profile(engines: EngineSet) -> ThroughputProfile:
@@ -80,6 +81,10 @@ class _State:
     # not yet run through `drafter_context` (draft_kv.lens + backlog_rows == target_kv.lens)
     backlog: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     backlog_rows: int = 0
+    # dspark-async skip decision: running mean survival [γ] of this request's drafted steps, and their count
+    # since the last probe (weight of the newest: max(1/n, _SURVIVAL_EMA))
+    survival_mean: np.ndarray | None = None
+    survival_n: int = 0
 
     @property
     def start(self) -> int:
@@ -109,7 +114,9 @@ class Generator:
             its tokenizer's decode). Requests with stop strings are refused without it.
         drafter (Callable): replaces the DSpark drafter block: drafter(generator, active states) →
             {"draft_ids" [S, γ] int64, "draft_logits" [S, γ] × V float32, "confidence" [S, γ] float32}
-            (e.g. `runtime.self_draft.TargetDrafter`, the target drafting for itself).
+            (e.g. `runtime.self_draft.TargetDrafter`, the target drafting for itself). The DSpark
+            drafter context (`draft_kv`) is not for such a drafter: its valid length may lag the target's
+            (rows wait in each request's backlog until a DSpark draft flushes them).
 
     Thread safety: `submit` and `cancel` may be called from any thread; `step`/`generate` from one
     thread at a time.
@@ -135,7 +142,8 @@ class Generator:
         self.profile = _load_profile(engines) if policy.needs_profile else None
         self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
         self._skipped, self._probe_interval = 0, _MIN_PROBE_INTERVAL  # dspark-async drafter skipping
-        self._mean_survival: np.ndarray | None = None  # [γ] running mean over drafted steps (skip decision)
+        self._probe_left = 0  # drafted steps left in the current probe
+        self._survival_prior: np.ndarray | None = None  # [γ] running mean over all requests' drafted steps
         self.drafts_skipped = 0  # steps whose drafter block was skipped (dspark-async), for benchmarks
         self._lock = threading.Lock()
         self._waiting: deque[_State] = deque()
@@ -373,9 +381,11 @@ class Generator:
             raise
 
     def _compute(self, active: list[_State]) -> "_Round":
-        """Draft → schedule → one packed target pass (verification rows + prefill chunks) → verify →
-        drafter context of the committed rows. Runs every engine call of the step and changes no
-        request or cache (only the requests' random streams advance)."""
+        """Drafter context of the flushed backlogs → draft → schedule → one packed target pass
+        (verification rows + prefill chunks) → verify → the committed rows (target K/V, backlog
+        features). Runs every engine call of the step and changes no request's state or valid cache
+        length (only the requests' random streams advance; flushed context rows sit past the valid
+        length until `_apply`)."""
         decoding = [s for s in active if s.decoding]
         failed: dict[int, str] = {}
         drafting = bool(self.policy.drafts and decoding and not self._skip_drafting(decoding))
@@ -392,7 +402,7 @@ class Generator:
                             if drafts else np.array([s.anchor]), s.start) for s in decoding]
         budget = self.max_tokens - sum(len(seg.token_ids) for seg in segments)
         finishing, prefill = [], {}
-        for s in [s for s in active if not s.decoding]:
+        for s in [s for s in active if not s.decoding and s.slot not in failed]:
             n = min(budget, len(s.prompt) - s.prefilled)
             if n <= 0:
                 break
@@ -401,7 +411,8 @@ class Generator:
                                     "last" if last else "none"))
             prefill[s.slot], budget = s.prefilled + n, budget - n
             finishing += [s] if last else []
-        rnd = _Round(active, decoding, finishing, prefill, verify_lens, drafts, conf, failed, flushed=flushed)
+        rnd = _Round(active, decoding, finishing, prefill, verify_lens, drafts, conf, failed, flushed=flushed,
+                     conf_states=list(decoding) if conf is not None else [])
         if not segments:
             return rnd
         packed, out = self._target_pass(segments)
@@ -422,31 +433,41 @@ class Generator:
         return rnd
 
     def _skip_drafting(self, decoding: list[_State]) -> bool:
-        """dspark-async with a known drafter cost: skip the drafter block when drafting does not pay on
-        average: the capacity K* for the current R on the running mean survival of earlier drafted
-        steps is 0 (`scheduler.mean_survival_capacity`; the mean weighs the newest drafted step by
-        0.25). One step's survivals decide nothing alone: at R = 1 they swing from ~0 to ~1 between
-        tokens, and a decision on them switches a drafter that pays on average off for whole probe
-        intervals. (Which positions a drafted step verifies is still §5.2's lagged capacity.)
+        """dspark-async with a known drafter cost: skip the drafter block when drafting does not pay:
+        the capacity K* for the current requests, ranked over each request's running mean survival
+        (`scheduler.mean_survival_capacity`), is 0. A request's mean weighs its newest drafted step by
+        max(1/n, 0.25); a request that has not drafted yet counts with the mean over all requests.
+        One step's survivals decide nothing alone: at R = 1 they swing from ~0 to ~1 between tokens,
+        and a rule on them switched a drafter that pays on average off for whole probe intervals. Per
+        request, not averaged over requests: one request worth drafting for is enough to draft.
+        (Which positions a drafted step verifies is still §5.2's lagged capacity.)
 
-        Skipping gives no new confidences, so every `probe_interval` skipped steps the history is cleared:
-        the next step drafts again (a probe: Algorithm 1 on fresh confidences), and the step after it
-        takes K* from the probe's confidences (the newest known, at most one step old). The interval
-        doubles after each probe that ends in another skip (4, 8, ..., 64 steps) and drops back to 4 when
-        drafting pays again. A skipped step pays no drafter cost at all: its committed rows wait in the
-        request's drafter-context backlog, which the next draft flushes first (`_flush_context`), so the
-        drafter never works from a stale context (failure case SD-20). This is scheduling bookkeeping,
-        not request state: a step retried after an engine error may count a skip twice, which only
-        moves the next probe earlier.
+        Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs
+        for a probe of 2 steps (Algorithm 1 on fresh confidences, the history cleared), and each
+        request's mean restarts from the probe's survivals. The interval doubles after each probe that
+        ends in another skip (4, 8, ..., 64 steps) and drops back to 4 when drafting pays again. A
+        skipped step runs no drafter block, and no drafter context unless a backlog reaches the
+        largest context bucket: its committed rows wait in the request's backlog, which the next draft
+        flushes first (`_flush_context`), so the drafter never works from a stale context (failure case
+        SD-20). This is scheduling bookkeeping, not request state: a step retried after an engine error
+        may count a skip twice, which only moves the next probe earlier.
         """
-        if self.policy.name != "dspark-async" or self.profile is None or not self.profile.has_draft_cost \
-                or not self._history:
+        if self.policy.name != "dspark-async" or self.profile is None or not self.profile.has_draft_cost:
+            return False
+        if self._probe_left > 0:
+            self._probe_left -= 1
             return False
         if self._skipped >= self._probe_interval:
             self._history, self._skipped = [], 0
             self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
+            self._probe_left = _PROBE_STEPS - 1
+            for s in decoding:
+                s.survival_n = 0
             return False
-        if self._mean_survival is None or mean_survival_capacity(self._mean_survival, len(decoding), self.profile) > 0:
+        if self._survival_prior is None:
+            return False
+        means = np.stack([s.survival_mean if s.survival_n else self._survival_prior for s in decoding])
+        if mean_survival_capacity(means, len(decoding), self.profile) > 0:
             self._probe_interval = _MIN_PROBE_INTERVAL
             return False
         self._skipped += 1
@@ -460,9 +481,8 @@ class Generator:
                 s.prefilled = rnd.prefill[s.slot]
         if rnd.conf is not None:
             self._history = (self._history + [rnd.conf])[-2:]
-            a = survival_probs(rnd.conf).mean(axis=0)
-            self._mean_survival = a if self._mean_survival is None else \
-                (1 - _SURVIVAL_EMA) * self._mean_survival + _SURVIVAL_EMA * a
+            if self.policy.name == "dspark-async":
+                self._observe_survival(rnd)
         for s in rnd.active:                  # the flushed backlog rows, written past lens in _compute
             if s.slot in rnd.flushed and s.slot not in rnd.failed:
                 self.draft_kv.lens[s.slot] = rnd.flushed[s.slot]
@@ -492,6 +512,17 @@ class Generator:
         for s in rnd.active:
             if s.slot in rnd.failed and not s.done:
                 self._fail(s, rnd.failed[s.slot])
+
+    def _observe_survival(self, rnd: "_Round") -> None:
+        """Fold a drafted step's survivals into each request's running mean and the all-request prior."""
+        a = survival_probs(rnd.conf)
+        for s, row in zip(rnd.conf_states, a):
+            s.survival_n += 1
+            w = max(1.0 / s.survival_n, _SURVIVAL_EMA)
+            s.survival_mean = row if s.survival_n == 1 else (1 - w) * s.survival_mean + w * row
+        m = a.mean(axis=0)
+        self._survival_prior = m if self._survival_prior is None else \
+            (1 - _SURVIVAL_EMA) * self._survival_prior + _SURVIVAL_EMA * m
 
     def _fail(self, s: _State, reason: str) -> None:
         log.warning("request %d failed: %s", s.index, reason)
@@ -775,3 +806,4 @@ class _Round:
     next_ids: np.ndarray | None = None
     commit: _Commit | None = None
     flushed: dict[int, int] = field(default_factory=dict)  # slot -> drafter context length after the flush
+    conf_states: list = field(default_factory=list)         # the request of each row of `conf`

@@ -338,12 +338,13 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
 
 
 def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
-    """K* = argmax_K Θ(K) when each of R requests has the survival curve `mean_survival` (no early stop,
-    K = 0 priced without the drafter, as `dspark_async_capacity`): whether drafting pays on average.
+    """K* = argmax_K Θ(K) over the ranked survivals of R requests (no early stop, K = 0 priced without
+    the drafter, as `dspark_async_capacity`), given each request's expected survival curve: whether
+    drafting pays for the current requests.
 
-    The runtime's drafter-skip decision uses it on a running mean of the survivals of earlier drafted
-    steps, so one unlucky step's low confidences do not switch the drafter off (a single step's
-    survivals are noisy: at R = 1 they swing between ~0 and ~1 from one token to the next).
+    The runtime's drafter-skip decision passes each request's running mean survival over its earlier
+    drafted steps, so one unlucky step's low confidences do not switch the drafter off (a single
+    step's survivals are noisy: at R = 1 they swing between ~0 and ~1 from one token to the next).
 
     Worked example (buckets {1: 40, 2: 28, 4: 25, 8: 20} steps/s, d(1) = 10 ms, R = 1): steps that
     alternate between c = 0.95 and c = 0.05 at each of 4 positions have mean survival
@@ -351,18 +352,18 @@ def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile
     Θ_4 = (1 + 1.79) / (50 + 10 ms) = 46.5: K* = 3, draft. The c = 0.05 step alone gives K* = 0.
 
     Args:
-        mean_survival: [γ] float64, non-increasing, in [0, 1].
-        num_requests: R.
+        mean_survival: [R, γ] float64, each row non-increasing, in [0, 1].
+        num_requests: R, the requests of the current step (the rows).
         profile: SPS(B), with d(R) where known.
     Returns:
         K* ≥ 0.
     Raises:
-        ValueError: mean_survival not 1-D or outside [0, 1].
+        ValueError: mean_survival not [num_requests, γ] or outside [0, 1].
     """
     a = np.asarray(mean_survival, np.float64)
-    if a.ndim != 1 or not np.all((a >= 0) & (a <= 1)):
-        raise ValueError(f"mean_survival: expected [γ] values in [0, 1], found shape {a.shape}")
-    ranked = np.sort(np.repeat(a, num_requests))[::-1]
+    if a.ndim != 2 or a.shape[0] != num_requests or not np.all((a >= 0) & (a <= 1)):
+        raise ValueError(f"mean_survival: expected [R={num_requests}, γ] values in [0, 1], found shape {a.shape}")
+    ranked = np.sort(a.ravel())[::-1]
     return search_capacity(ranked[ranked > 0], num_requests, profile, early_stop=False, draft_at_zero=False)
 
 
