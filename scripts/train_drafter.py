@@ -135,10 +135,11 @@ def cmd_calibrate(args, say):
         fit = fit_sts(rounds)
         summary["sts"] = fit
         write_calibration(run / "drafter", fit, {"fitted_on": "calibration split, greedy offline rounds",
-                                                 "reliability": reliability_bins(rounds, fit["confidence_temperature"])})
-        reliability_diagram(rounds, fit["confidence_temperature"], out / "reliability.png")
-        say(f"STS temperatures {fit['confidence_temperature']}; ECE {fit['mean_ece_before']:.4f} → "
-            f"{fit['mean_ece_after']:.4f}")
+                                                 "reliability": reliability_bins(rounds, fit["confidence_temperature"],
+                                                                                 biases=fit["confidence_bias"])})
+        reliability_diagram(rounds, fit["confidence_temperature"], out / "reliability.png", biases=fit["confidence_bias"])
+        say(f"STS temperatures {fit['confidence_temperature']}, biases {fit['confidence_bias']}; ECE "
+            f"{fit['mean_ece_before']:.4f} → {fit['mean_ece_after']:.4f}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     say(f"offline τ (T=0) {summary['acceptance_length']:.3f} over {summary['rounds']} rounds; per position "
         f"{summary['conditional_acceptance']}")

@@ -319,6 +319,7 @@ def _manifest_data(cfg: BuildConfig, inputs, graphs: dict) -> dict:
             "block_size": d.block_size, "max_context": cfg.max_context, "vocab_size": d.vocab_size,
             "eos_token_ids": sorted(inputs.eos_token_ids), "mask_token_id": d.mask_token_id,
             "target_layer_ids": list(d.target_layer_ids), "confidence_temperature": inputs.drafter_source.get("confidence_temperature", [1.0] * d.block_size),
+            "confidence_bias": inputs.drafter_source.get("confidence_bias", [0.0] * d.block_size),
             "drafter_trained": bool(inputs.drafter_source.get("is_trained", False)),
             "sampling_defaults": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 128},
             "chat_template": inputs.has_chat_template,

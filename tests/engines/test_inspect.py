@@ -78,7 +78,7 @@ def test_summary_json_keys(engine_dir, capsys):
                       "versions", "build"}
     assert d["models"]["target"]["hidden_size"] == 64 and d["models"]["target"]["num_kv_heads"] == 2
     assert d["models"]["drafter"]["block_size"] == 4 and d["models"]["drafter"]["markov_rank"] == 8
-    assert d["calibration"] == {"temperatures": [1.0] * 4, "calibrated": False, "path": None, "method": None,
+    assert d["calibration"] == {"temperatures": [1.0] * 4, "biases": [0.0] * 4, "calibrated": False, "path": None, "method": None,
                                 "rounds": None, "ece_before": None, "ece_after": None, "mean_ece_before": None,
                                 "mean_ece_after": None, "reliability_bins": False}
     assert d["report"]["path"] == "report/index.html"

@@ -67,8 +67,10 @@ def test_paths_outside_the_directory(tmp_path, bad):
     (lambda d: d.update(engines=[]), r"engines: expected at least one engine"),
     (lambda d: d["graphs"]["target"].update(spec={"vocab_size": 256}),
      r"runtime.vocab_size 10 does not match the target graph's vocab_size 256"),
+    (lambda d: d["runtime"].update(confidence_bias=[0.5]), r"runtime.confidence_bias: expected 2 finite numbers"),
+    (lambda d: d["runtime"].update(confidence_bias=[0.5, "x"]), r"runtime.confidence_bias: expected 2 finite"),
 ], ids=["schema", "no-runtime", "no-vocab", "str-block", "block-mismatch", "runtime-list", "no-verify",
-        "engine-path", "negative-context", "zero-vocab", "no-engines", "vocab-mismatch"])
+        "engine-path", "negative-context", "zero-vocab", "no-engines", "vocab-mismatch", "bias-length", "bias-type"])
 def test_bad_manifest_fields(tmp_path, edit, match):
     _make(tmp_path)
     data = json.loads((tmp_path / "manifest.json").read_text())

@@ -265,3 +265,31 @@ def test_ar_keeps_no_backlog_and_finished_requests_free_theirs(runtime):  # noqa
         spec.step()
     state = spec._requests[rid]
     assert state.done and state.backlog == [] and state.backlog_rows == 0
+
+
+def test_the_calibration_bias_reaches_the_policy(runtime):  # noqa: F811
+    """The manifest's per-position bias b_k turns the drafter block's confidence c into σ(logit(c) + b_k)
+    before the policy sees it; greedy output is unchanged."""
+    seen = {}
+
+    def recording(gen, tag):
+        real = gen._draft
+
+        def draft(active, flushed):
+            out = real(active, flushed)
+            seen.setdefault(tag, []).append(np.array(out["confidence"][[s.slot for s in active]], np.float64))
+            return out
+        gen._draft = draft
+
+    plain = Generator(runtime.engines, parse_policy("fixed:2"))
+    biased = Generator(runtime.engines, parse_policy("fixed:2"))
+    biased.confidence_bias = np.array([1.0, -1.0, 0.5, 0.0])
+    recording(plain, "plain")
+    recording(biased, "biased")
+    a = plain.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=12)])[0]
+    b = biased.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=12)])[0]
+    assert a.token_ids == b.token_ids
+    c = np.clip(seen["plain"][0], 1e-7, 1 - 1e-7)
+    expected = 1 / (1 + np.exp(-(np.log(c / (1 - c)) + biased.confidence_bias)))
+    np.testing.assert_allclose(seen["biased"][0], expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(seen["biased"][0], seen["plain"][0])

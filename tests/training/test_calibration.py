@@ -69,3 +69,21 @@ def test_replay_rounds_on_a_tiny_drafter(train_target, feature_cache):
     assert rounds.conf_logits.shape == rounds.accepted.shape and rounds.accepted.shape[1] == 4
     assert 1.0 <= rounds.acceptance_length() <= 5.0
     assert not (rounds.accepted & ~rounds.valid).any()
+
+
+def test_bias_recovers_a_shifted_head_that_temperature_cannot_fix():
+    """A head whose logits are twice as sharp AND shifted by −0.8: temperatures alone cannot move the
+    mean confidence; a per-position bias recovers T ≈ 2, b ≈ 0.8 and a low ECE."""
+    rng = np.random.default_rng(1)
+    n, G = 20000, 3
+    z = rng.normal(0.0, 2.0, size=(n, G))
+    accepted = rng.random((n, G)) < 1 / (1 + np.exp(-(z * 0.5 + 0.8)))
+    rounds = Rounds(z.astype(np.float32), accepted, np.ones((n, G), bool), ["x"] * n)
+    temps_only = fit_sts(rounds, bias_grid=(0.0,))
+    both = fit_sts(rounds)
+    assert temps_only["confidence_bias"] == [0.0] * G
+    assert np.allclose(both["confidence_temperature"], 2.0, rtol=0.2)
+    assert np.allclose(both["confidence_bias"], 0.8, atol=0.25)
+    assert both["mean_ece_after"] < 0.015 < temps_only["mean_ece_after"]
+    rel = reliability_bins(rounds, both["confidence_temperature"], biases=both["confidence_bias"])
+    assert [p["sts"]["ece"] for p in rel["positions"]] == pytest.approx(both["ece_after"], abs=1e-5)

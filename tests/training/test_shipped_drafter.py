@@ -33,3 +33,20 @@ def test_shipped_drafter_format():
     assert temps is not None and len(temps) == 7
     info = json.loads((SHIPPED / "calibration.json").read_text())
     assert info["mean_ece_after"] <= info["mean_ece_before"]
+
+
+def test_calibration_bias_is_read_and_checked(tmp_path):
+    from dspark_export.errors import ConfigError
+    from dspark_export.modeling.loading import read_calibration_bias
+
+    assert read_calibration_bias(tmp_path, 3) is None                       # no file
+    (tmp_path / "calibration.json").write_text(json.dumps({"confidence_temperature": [1, 1, 1]}))
+    assert read_calibration_bias(tmp_path, 3) is None                       # temperature-only STS
+    (tmp_path / "calibration.json").write_text(json.dumps({"confidence_temperature": [1, 1, 1],
+                                                           "confidence_bias": [0.5, -1, 0]}))
+    assert read_calibration_bias(tmp_path, 3) == [0.5, -1.0, 0.0]
+    for bad in ([0.5, 1.0], [0.5, float("nan"), 0], [True, 0, 0], "0.5"):
+        (tmp_path / "calibration.json").write_text(json.dumps({"confidence_bias": bad}))
+        with pytest.raises(ConfigError, match="confidence_bias"):
+            read_calibration_bias(tmp_path, 3)
+    assert read_calibration_bias(SHIPPED, 7) is not None and len(read_calibration_bias(SHIPPED, 7)) == 7

@@ -216,7 +216,9 @@ def _calibration(manifest: Manifest) -> dict:
     """The STS temperatures the engine applies and, when the directory keeps the drafter's calibration.json
     (`build` copies it to drafter/calibration.json), the fit's ECE before/after."""
     temps = [float(t) for t in manifest.runtime["confidence_temperature"]]
-    out = {"temperatures": temps, "calibrated": any(abs(t - 1.0) > 1e-9 for t in temps), "path": None,
+    biases = [float(b) for b in manifest.runtime.get("confidence_bias") or [0.0] * len(temps)]
+    out = {"temperatures": temps, "biases": biases,
+           "calibrated": any(abs(t - 1.0) > 1e-9 for t in temps) or any(biases), "path": None,
            "method": None, "rounds": None, "ece_before": None, "ece_after": None, "mean_ece_before": None,
            "mean_ece_after": None, "reliability_bins": False}
     rel = (manifest.data.get("calibration") or {}).get("path")
@@ -431,7 +433,8 @@ def _format(report: InspectReport) -> str:
     out.append("")
     c = s.get("calibration") or {}
     if c:
-        line = (f"calibration  STS temperatures {c['temperatures']}" if c["calibrated"]
+        line = (f"calibration  STS temperatures {c['temperatures']}"
+                + (f", biases {c['biases']}" if any(c.get("biases") or []) else "") if c["calibrated"]
                 else "calibration  none (all confidence temperatures 1)")
         if c.get("path"):
             ece = (f"; mean ECE {c['mean_ece_before']:.4f} -> {c['mean_ece_after']:.4f}"

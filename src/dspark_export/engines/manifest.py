@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -271,6 +272,11 @@ class Manifest:
         if self.data["runtime"]["block_size"] != block or len(self.data["runtime"]["confidence_temperature"]) != block:
             raise EngineDirError(f"{where}: runtime.block_size {self.data['runtime']['block_size']} and "
                                  f"confidence_temperature must match the drafter graph's block_size {block}")
+        bias = self.data["runtime"].get("confidence_bias")
+        if bias is not None and not (isinstance(bias, list) and len(bias) == block and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bias)):
+            raise EngineDirError(f"{where}: runtime.confidence_bias: expected {block} finite numbers (the drafter "
+                                 f"graph's block_size), found {bias!r}")
         for entry in self.data["engines"]:
             try:
                 key = EngineKey.from_dict(entry["key"])

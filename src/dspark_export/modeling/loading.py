@@ -85,6 +85,32 @@ def read_calibration(folder: Path, block_size: int) -> list[float] | None:
     return [float(t) for t in temps]
 
 
+def read_calibration_bias(folder: Path, block_size: int) -> list[float] | None:
+    """Per-position confidence biases b_k from ``<drafter>/calibration.json`` (this project's addition to
+    STS, `training.calibration`), or None when the file or its ``confidence_bias`` field is absent
+    (a temperature-only calibration: every b_k = 0).
+
+    Raises:
+        ConfigError: the file is unreadable, or ``confidence_bias`` is not ``block_size`` finite numbers.
+    """
+    path = folder / "calibration.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable calibration ({e!r})") from None
+    if not isinstance(data, dict) or "confidence_bias" not in data:
+        return None
+    bias = data["confidence_bias"]
+    ok = isinstance(bias, list) and len(bias) == block_size and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bias)
+    if not ok:
+        raise ConfigError(f"{path}: confidence_bias: expected {block_size} finite numbers (one per draft position), "
+                          f"found {bias!r}")
+    return [float(b) for b in bias]
+
+
 def load_build_inputs(target: str | None, drafter: str | None, *, block_size: int = 7, num_draft_layers: int = 1,
                       markov_rank: int = 64, seed: int = 0) -> BuildInputs:
     """Load the target (None = embedded default) and the drafter.
@@ -129,6 +155,9 @@ def load_build_inputs(target: str | None, drafter: str | None, *, block_size: in
         calibration = read_calibration(Path(drafter), model.config.block_size)
         if calibration is not None:
             source["confidence_temperature"] = calibration
+            bias = read_calibration_bias(Path(drafter), model.config.block_size)
+            if bias is not None:
+                source["confidence_bias"] = bias
     source.update(num_layers=model.config.num_hidden_layers, block_size=model.config.block_size,
                   markov_rank=model.config.markov_rank, target_layer_ids=list(model.config.target_layer_ids))
     return BuildInputs(tgt, model.eval(), target_source, source)

@@ -145,7 +145,9 @@ def _calibration(manifest: Manifest, inputs: ReportInputs) -> dict:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 log.warning("report: calibration %s is not readable JSON (%s); left out", path, e)
                 data, source = None, None
-    out = {"engine_temperatures": engine_t, "calibrated": any(abs(t - 1.0) > 1e-9 for t in engine_t),
+    engine_b = [float(b) for b in manifest.runtime.get("confidence_bias") or [0.0] * len(engine_t)]
+    out = {"engine_temperatures": engine_t, "engine_biases": engine_b,
+           "calibrated": any(abs(t - 1.0) > 1e-9 for t in engine_t) or any(engine_b),
            "source": source, "method": None, "file_temperatures": None, "matches_engine": None,
            "ece_before": None, "ece_after": None, "mean_ece_before": None, "mean_ece_after": None,
            "rounds": None, "bins": None, "reliability": None, "fitted_on": None}

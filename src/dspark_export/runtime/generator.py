@@ -132,6 +132,9 @@ class Generator:
         self.eos_ids = frozenset(int(t) for t in rt["eos_token_ids"])
         self.vocab_size = int(rt["vocab_size"])
         self.sts = np.asarray(rt.get("confidence_temperature") or [1.0] * self.block_size, np.float32)
+        # per-position calibration bias b_k (training.calibration), applied to the drafter block's
+        # confidence σ(z/T): σ(logit(c) + b); older manifests have none (all 0)
+        self.confidence_bias = np.asarray(rt.get("confidence_bias") or [0.0] * self.block_size, np.float64)
         self.max_tokens = engines.buckets("target")[-1]
         self.max_slots = min(max_slots or engines.buckets("drafter_block")[-1], engines.buckets("drafter_block")[-1],
                              self.max_tokens // (self.block_size + 1))
@@ -737,7 +740,12 @@ class Generator:
         feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": context_lens,
                 **self.draft_kv.feed("context_key", "context_value"), **self._sampling_feed(active),
                 "uniforms": uniforms, "confidence_temperature": self.sts}
-        return self._infer(self.engines.runner("drafter_block", self.num_slots), feed)
+        out = self._infer(self.engines.runner("drafter_block", self.num_slots), feed)
+        if self.confidence_bias.any():
+            c = np.clip(np.asarray(out["confidence"], np.float64), 1e-7, 1 - 1e-7)   # NaN stays NaN (fault check)
+            z = np.log(c) - np.log1p(-c) + self.confidence_bias
+            out = {**out, "confidence": (1.0 / (1.0 + np.exp(-z))).astype(np.float32)}
+        return out
 
     def _verify(self, states: list[_State], rows: dict[int, np.ndarray], drafts, verify_lens: dict[int, int],
                 failed: dict[int, str]):
