@@ -138,7 +138,7 @@ def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
              "describes that engine on this machine; profile the serving engine itself for its own table"]
     if not calibrated:
         notes.append("the drafter is uncalibrated (all STS temperatures 1)")
-    biases = [float(b) for b in manifest.runtime.get("confidence_bias") or []]
+    biases = manifest.confidence_bias
     if any(biases) and fmt in ("sglang", "trtllm"):
         notes.append(f"the per-position confidence biases {biases} (this project's addition to STS) have no field in "
                      f"the {fmt} calibration file: only the temperatures are exported, so that server's confidences "
@@ -177,7 +177,7 @@ def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
                                for r, s in zip(sorted(sps["target"], key=lambda r: int(r["B"])), stairs)],
                    "drafter_block": sps.get("drafter_block", []),
                    "confidence_temperature": cal["temperatures"],
-                   "confidence_bias": biases or [0.0] * len(cal["temperatures"]), "ece_before": cal["ece_before"],
+                   "confidence_bias": biases, "ece_before": cal["ece_before"],
                    "ece_after": cal["ece_after"]}
         write("dspark_profile.json", "json", json.dumps(generic, indent=1) + "\n")
         buf = io.StringIO()

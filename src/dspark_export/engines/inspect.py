@@ -216,7 +216,7 @@ def _calibration(manifest: Manifest) -> dict:
     """The STS temperatures the engine applies and, when the directory keeps the drafter's calibration.json
     (`build` copies it to drafter/calibration.json), the fit's ECE before/after."""
     temps = [float(t) for t in manifest.runtime["confidence_temperature"]]
-    biases = [float(b) for b in manifest.runtime.get("confidence_bias") or [0.0] * len(temps)]
+    biases = manifest.confidence_bias
     out = {"temperatures": temps, "biases": biases,
            "calibrated": any(abs(t - 1.0) > 1e-9 for t in temps) or any(biases), "path": None,
            "method": None, "rounds": None, "ece_before": None, "ece_after": None, "mean_ece_before": None,

@@ -126,6 +126,13 @@ class Manifest:
         return [k for k in keys if graph is None or k.graph == graph]
 
     @property
+    def confidence_bias(self) -> list[float]:
+        """runtime.confidence_bias [γ] (per-position calibration bias, `training.calibration`); all 0 when
+        the manifest has none (temperature-only calibration, older builds)."""
+        rt = self.data["runtime"]
+        return [float(b) for b in rt.get("confidence_bias") or [0.0] * len(rt["confidence_temperature"])]
+
+    @property
     def runtime(self) -> dict:
         return self.data["runtime"]
 

@@ -145,7 +145,7 @@ def _calibration(manifest: Manifest, inputs: ReportInputs) -> dict:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 log.warning("report: calibration %s is not readable JSON (%s); left out", path, e)
                 data, source = None, None
-    engine_b = [float(b) for b in manifest.runtime.get("confidence_bias") or [0.0] * len(engine_t)]
+    engine_b = manifest.confidence_bias
     out = {"engine_temperatures": engine_t, "engine_biases": engine_b,
            "calibrated": any(abs(t - 1.0) > 1e-9 for t in engine_t) or any(engine_b),
            "source": source, "method": None, "file_temperatures": None, "matches_engine": None,

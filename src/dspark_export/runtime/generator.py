@@ -80,7 +80,10 @@ class _State:
     # drafter-context backlog: tapped features [n, F] float32 and positions [n] int64 of committed rows
     # not yet run through `drafter_context` (draft_kv.lens + backlog_rows == target_kv.lens)
     backlog: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    backlog_rows: int = 0
+
+    @property
+    def backlog_rows(self) -> int:
+        return sum(len(p) for _, p in self.backlog)
 
     @property
     def start(self) -> int:
@@ -134,7 +137,7 @@ class Generator:
         self.sts = np.asarray(rt.get("confidence_temperature") or [1.0] * self.block_size, np.float32)
         # per-position calibration bias b_k (training.calibration), applied to the drafter block's
         # confidence σ(z/T): σ(logit(c) + b); older manifests have none (all 0)
-        self.confidence_bias = np.asarray(rt.get("confidence_bias") or [0.0] * self.block_size, np.float64)
+        self.confidence_bias = np.asarray(engines.manifest.confidence_bias, np.float64)
         self.max_tokens = engines.buckets("target")[-1]
         self.max_slots = min(max_slots or engines.buckets("drafter_block")[-1], engines.buckets("drafter_block")[-1],
                              self.max_tokens // (self.block_size + 1))
@@ -338,7 +341,7 @@ class Generator:
 
     def _finish(self, s: _State, tokens: list[int] | None = None) -> None:
         s.done = True
-        s.backlog, s.backlog_rows = [], 0      # never needed again; free the features now
+        s.backlog = []                          # never needed again; free the features now
         s.result.stats.wall_s = time.perf_counter() - s.t0
         if s.on_token:
             s.on_token(s.index, tokens or [], s.result)
@@ -489,7 +492,7 @@ class Generator:
         for s in rnd.active:                  # the flushed backlog rows, written past lens in _compute
             if s.slot in rnd.flushed and s.slot not in rnd.failed:
                 self.draft_kv.lens[s.slot] = rnd.flushed[s.slot]
-                s.backlog, s.backlog_rows = [], 0
+                s.backlog = []
         if rnd.commit is not None:
             c = rnd.commit
             self.target_kv.append(c.slots, c.target_keys, c.target_values)
@@ -498,7 +501,6 @@ class Generator:
                     rows = np.flatnonzero(c.slots == s.slot)
                     if rows.size:
                         s.backlog.append((c.aux[rows], c.positions[rows]))
-                        s.backlog_rows += rows.size
         drafts = rnd.drafts
         for s in rnd.decoding:
             if s.slot in rnd.failed:

@@ -364,7 +364,13 @@ def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile
     a = np.asarray(mean_survival, np.float64)
     if a.ndim != 2 or a.shape[0] != num_requests or not np.all((a >= 0) & (a <= 1)):
         raise ValueError(f"mean_survival: expected [R={num_requests}, γ] values in [0, 1], found shape {a.shape}")
-    ranked = np.sort(a.ravel())[::-1]
+    return _skippable_capacity(a, num_requests, profile)
+
+
+def _skippable_capacity(survival: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
+    """K* = argmax_K Θ(K) over every survival of `survival` ranked together, no early stop, K = 0 priced
+    without the drafter (a step that verifies nothing need not draft)."""
+    ranked = np.sort(survival.ravel())[::-1]
     return search_capacity(ranked[ranked > 0], num_requests, profile, early_stop=False, draft_at_zero=False)
 
 
@@ -382,5 +388,5 @@ def dspark_async_capacity(lagged_confidence: np.ndarray, num_requests: int, prof
     Returns:
         K* ≥ 0, the number of draft positions to verify this step.
     """
-    lagged = np.sort(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")).ravel())[::-1]
-    return search_capacity(lagged[lagged > 0], num_requests, profile, early_stop=False, draft_at_zero=False)
+    return _skippable_capacity(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")),
+                               num_requests, profile)
