@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dspark_export.bench import ServeBenchConfig, run_serve_bench, write_reports
-from dspark_export.bench.serve import _TimedPolicy
+from dspark_export.bench.serve import _TimedPolicy, markdown_table
 from dspark_export.errors import ConfigError
 from dspark_export.runtime.generator import Generator
 
@@ -85,7 +85,9 @@ def test_result_keys_and_rows(bench):
 def test_closed_loop_invariants(bench):
     cfg, result, measured, _ = bench
     assert len(measured) == len(result["results"])          # one generator per (policy, C)
-    for count, row in zip(measured, result["results"]):
+    rows = {(r["policy"], r["concurrency"]): r for r in result["results"]}
+    run_order = [(p, c) for c in CONCURRENCY for p in POLICIES]  # every policy at one C, then the next C
+    for count, row in zip(measured, [rows[key] for key in run_order]):
         c, n = row["concurrency"], cfg.requests_for(row["concurrency"])
         assert count["max"] == c, row            # exactly C in flight at peak, never more
         assert count["submitted"] == n and count["live"] == 0
@@ -127,6 +129,33 @@ def test_write_reports(bench, tmp_path):
     assert "| policy | C |" in md and md.count("\n| dspark-async |") == len(CONCURRENCY)
 
 
+def test_repeats_interleave_policies_and_report_medians(engine_dir, datasets_dir):  # noqa: F811
+    cfg = ServeBenchConfig(engine_dir, concurrency=(2,), policies=("ar", "fixed:1", "dspark"), requests=3,
+                           datasets=("alpha", "beta"), datasets_dir=datasets_dir, max_new_tokens=6, repeats=3)
+    lines: list[str] = []
+    result = run_serve_bench(cfg, progress=lines.append)
+    started = [line.split("]")[0] + "]" for line in lines if "requests ×" in line]
+    assert started == ["[ar C=2 run 1/3]", "[fixed:1 C=2 run 1/3]", "[dspark C=2 run 1/3]",    # rotated each repeat
+                       "[fixed:1 C=2 run 2/3]", "[dspark C=2 run 2/3]", "[ar C=2 run 2/3]",
+                       "[dspark C=2 run 3/3]", "[ar C=2 run 3/3]", "[fixed:1 C=2 run 3/3]"]
+    assert result["config"]["repeats"] == 3
+    rows = {r["policy"]: r for r in result["results"]}
+    assert list(rows) == ["ar", "fixed:1", "dspark"]
+    for row in rows.values():
+        runs = row["throughput_tokens_per_s_runs"]
+        assert row["repeats"] == 3 and len(runs) == 3 and len(row["per_user_tokens_per_s_runs"]) == 3
+        assert row["throughput_tokens_per_s"] == pytest.approx(sorted(runs)[1], abs=1e-4)    # the median
+        assert row["requests"] == 9 and sum(row["finish_reasons"].values()) == 9
+        assert row["identical"] is True and row["identity_checked"] == 6
+    ar = rows["ar"]
+    assert ar["throughput_ratio_to_ar"] == 1.0 and ar["throughput_ratio_to_ar_runs"] == [1.0] * 3
+    fixed = rows["fixed:1"]
+    paired = [f / a for f, a in zip(fixed["throughput_tokens_per_s_runs"], ar["throughput_tokens_per_s_runs"])]
+    assert fixed["throughput_ratio_to_ar_runs"] == pytest.approx(paired, abs=1e-4)
+    assert fixed["throughput_ratio_to_ar"] == pytest.approx(sorted(paired)[1], abs=1e-4)
+    assert "| ×ar |" in markdown_table(result)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(policies=("ar", "nope")), "policy: expected one of"),
     (dict(policies=("fixed:0",)), "fixed:K"),
@@ -136,6 +165,8 @@ def test_write_reports(bench, tmp_path):
     (dict(requests=2, concurrency=(1, 3)), "requests: .*at least C"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(repeats=0), "repeats: expected an integer >= 1, found 0"),
+    (dict(repeats=1.5), "repeats: expected an integer >= 1"),
 ])
 def test_bad_config_raises(engine_dir, datasets_dir, kwargs, match):  # noqa: F811
     base = dict(concurrency=(1,), policies=("ar",), datasets=("alpha",), datasets_dir=datasets_dir)

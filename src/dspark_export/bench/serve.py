@@ -4,7 +4,8 @@ For each policy and concurrency C, ONE `Generator` serves a closed loop: C reque
 once, and each time one finishes a new one is submitted (before the next step), until `requests`
 have completed. Prompts are the first turns of the eval datasets (chat template), each dataset
 shuffled with the seed, drawn round-robin across datasets; every (policy, C) run sees the same
-prompt sequence.
+prompt sequence. With `repeats` > 1 each (policy, C) runs that many times, interleaved with the other
+policies at the same C (see `ServeBenchConfig.repeats`); a row then reports medians over its runs.
 
 Measurements (wall clock, `time.perf_counter`):
 
@@ -22,6 +23,10 @@ Measurements (wall clock, `time.perf_counter`):
   earlier confidences was 0 under the drafter cost (`Generator._skip_drafting`).
 - `scheduler_ms`: time inside `Policy.verify_lengths` per step, measured by a timing subclass of
   the policy handed to the generator (the runtime is not modified); 0 for `ar`, which never calls it.
+- `throughput_ratio_to_ar`, `per_user_ratio_to_ar` (when `ar` is among the policies): the row's number
+  over `ar`'s in the same repeat at the same C, median over repeats; `*_runs` lists each repeat's ratio.
+  A CPU's speed drifts by ±10-15 % between runs a minute apart (SmolLM2, 2 cores); a paired ratio
+  over several repeats is what to compare policies by, not one run's tokens/s.
 
 Before each measured run the engines are warmed up (C short requests, not measured) so lazily
 initialised ONNX Runtime sessions do not count. Greedy identity spot check: the first
@@ -79,6 +84,9 @@ class ServeBenchConfig:
         warmup: run C short unmeasured requests before each measured run.
         identity_checks: completed requests per run compared with an `ar` solo run (greedy only).
         threads: ONNX Runtime intra-op threads per session; 0 = ORT's choice.
+        repeats: measured runs per (policy, C), ≥ 1. At each C the policies run in turn, repeat after
+            repeat (the order rotated by one each repeat), so a machine whose speed drifts slows every
+            policy alike; each row reports medians over its repeats and every run's throughput.
     """
 
     engine_dir: str | Path
@@ -94,6 +102,7 @@ class ServeBenchConfig:
     warmup: bool = True
     identity_checks: int = 2
     threads: int = 0
+    repeats: int = 1
 
     def __post_init__(self):
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -124,6 +133,10 @@ class ServeBenchConfig:
                                   f"{max(self.concurrency)} (the largest concurrency), found {self.requests}")
             put("requests", int(self.requests))
 
+        if not is_int(self.repeats) or self.repeats < 1:
+            raise ConfigError(f"repeats: expected an integer >= 1, found {self.repeats!r}")
+        put("repeats", int(self.repeats))
+
         datasets, folder = check_datasets(self.datasets, self.datasets_dir)
         put("datasets", datasets)
         put("datasets_dir", folder)
@@ -141,7 +154,7 @@ class ServeBenchConfig:
                 "datasets": list(self.datasets), "datasets_dir": str(self.datasets_dir),
                 "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "seed": self.seed,
                 "chat": self.chat, "warmup": self.warmup, "identity_checks": self.identity_checks,
-                "threads": self.threads}
+                "threads": self.threads, "repeats": self.repeats}
 
 
 # -- prompts -----------------------------------------------------------------------------------
@@ -323,6 +336,40 @@ def _summarise(policy: str, concurrency: int, gen: Generator, run: _Run) -> dict
     }
 
 
+#: per-run numbers a row reports as the median over its repeats
+_MEDIAN_KEYS = ("throughput_tokens_per_s", "per_user_tokens_per_s", "per_user_tokens_per_s_p50",
+                "per_user_tokens_per_s_p90", "mean_verify_len", "acceptance_length", "mean_step_ms", "scheduler_ms",
+                "scheduler_ratio", "ttft_ms_mean", "latency_s_mean", "throughput_overall_tokens_per_s")
+#: per-run numbers a row reports as the sum over its repeats
+_SUM_KEYS = ("requests", "output_tokens", "window_tokens", "window_steps", "window_s", "wall_s",
+             "drafter_steps_skipped", "identity_checked")
+
+
+def _combine(runs: list[dict], ar_runs: list[dict] | None) -> dict:
+    """One result row from the repeats of a (policy, C): medians of the per-run numbers (`_MEDIAN_KEYS`),
+    sums of the counts (`_SUM_KEYS`), every run's throughput and per-user speed, and, when `ar` ran at
+    the same C, the median over repeats of throughput / `ar`'s throughput in the same repeat
+    (`throughput_ratio_to_ar`, paired so a drifting machine cancels out) and likewise per user."""
+    row = dict(runs[0])
+    row["repeats"] = len(runs)
+    for key in _MEDIAN_KEYS:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        row[key] = round(float(np.median(values)), 4) if values else None
+    for key in _SUM_KEYS:
+        row[key] = sum(r[key] for r in runs)
+    row["identical"] = None if any(r["identical"] is None for r in runs) else all(r["identical"] for r in runs)
+    row["finish_reasons"] = dict(sum((Counter(r["finish_reasons"]) for r in runs), Counter()))
+    row["throughput_tokens_per_s_runs"] = [r["throughput_tokens_per_s"] for r in runs]
+    row["per_user_tokens_per_s_runs"] = [r["per_user_tokens_per_s"] for r in runs]
+    if ar_runs is not None and len(ar_runs) == len(runs):
+        for key, out in (("throughput_tokens_per_s", "throughput_ratio_to_ar"),
+                         ("per_user_tokens_per_s", "per_user_ratio_to_ar")):
+            ratios = [r[key] / a[key] for r, a in zip(runs, ar_runs) if a[key] > 0]
+            row[out] = round(float(np.median(ratios)), 4) if ratios else None
+            row[out + "_runs"] = [round(x, 4) for x in ratios]
+    return row
+
+
 # -- the benchmark -----------------------------------------------------------------------------
 def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | None = None) -> dict:
     """Run the closed-loop benchmark for every (policy, concurrency) of `cfg`.
@@ -361,35 +408,42 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
     solo_cache: dict[tuple[str, int], list[int]] = {}
     greedy = cfg.temperature == 0.0
 
-    rows = []
-    eta = Eta(len(policies) * len(cfg.concurrency))
-    for text, pol in policies.items():
-        for c in cfg.concurrency:
-            n = cfg.requests_for(c)
-            prompts = source.first(n)
-            say(f"[{text} C={c}] {n} requests × {cfg.max_new_tokens} tokens (run {eta.text(len(rows))})")
-            if cfg.warmup:
-                Generator(engines, pol).generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, n))
-            gen = Generator(engines, _timed(pol))
-            run = _closed_loop(gen, prompts, c, params)
-            row = _summarise(text, c, gen, run)
-            if greedy and cfg.identity_checks:
-                checked = run.completed[:cfg.identity_checks]
-                same = []
-                for rid in checked:
-                    rec = run.records[rid]
-                    if rec.key not in solo_cache:
-                        solo_cache[rec.key] = solo.generate([rec.prompt], [params])[0].token_ids
-                    same.append(gen.result(rid).token_ids == solo_cache[rec.key])
-                row["identical"], row["identity_checked"] = all(same), len(same)
-            else:
-                row["identical"], row["identity_checked"] = None, 0
-            rows.append(row)
-            say(f"[{text} C={c}] throughput {row['throughput_tokens_per_s']:.1f} tok/s, per-user "
-                f"{row['per_user_tokens_per_s']:.1f} tok/s, verify {row['mean_verify_len']:.2f}, "
-                f"τ {row['acceptance_length']:.2f}, step {row['mean_step_ms']:.1f} ms "
-                f"(scheduler {row['scheduler_ms']:.3f} ms), identical {row['identical']}, "
-                f"{row['wall_s']:.1f} s")
+    runs: dict[tuple[str, int], list[dict]] = {}
+    eta = Eta(len(policies) * len(cfg.concurrency) * cfg.repeats)
+    done = 0
+    for c in cfg.concurrency:
+        n = cfg.requests_for(c)
+        prompts = source.first(n)
+        for rep in range(cfg.repeats):
+            order = list(policies)
+            order = order[rep % len(order):] + order[:rep % len(order)]
+            for text in order:
+                pol = policies[text]
+                tag = f"[{text} C={c}" + (f" run {rep + 1}/{cfg.repeats}]" if cfg.repeats > 1 else "]")
+                say(f"{tag} {n} requests × {cfg.max_new_tokens} tokens (run {eta.text(done)})")
+                if cfg.warmup:
+                    Generator(engines, pol).generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, n))
+                gen = Generator(engines, _timed(pol))
+                run = _closed_loop(gen, prompts, c, params)
+                row = _summarise(text, c, gen, run)
+                if greedy and cfg.identity_checks:
+                    same = []
+                    for rid in run.completed[:cfg.identity_checks]:
+                        rec = run.records[rid]
+                        if rec.key not in solo_cache:
+                            solo_cache[rec.key] = solo.generate([rec.prompt], [params])[0].token_ids
+                        same.append(gen.result(rid).token_ids == solo_cache[rec.key])
+                    row["identical"], row["identity_checked"] = all(same), len(same)
+                else:
+                    row["identical"], row["identity_checked"] = None, 0
+                runs.setdefault((text, c), []).append(row)
+                done += 1
+                say(f"{tag} throughput {row['throughput_tokens_per_s']:.1f} tok/s, per-user "
+                    f"{row['per_user_tokens_per_s']:.1f} tok/s, verify {row['mean_verify_len']:.2f}, "
+                    f"τ {row['acceptance_length']:.2f}, step {row['mean_step_ms']:.1f} ms "
+                    f"(scheduler {row['scheduler_ms']:.3f} ms), identical {row['identical']}, "
+                    f"{row['wall_s']:.1f} s")
+    rows = [_combine(runs[(text, c)], runs.get(("ar", c))) for text in policies for c in cfg.concurrency]
 
     identity = {}
     for text in policies:
@@ -417,6 +471,7 @@ _COLUMNS = [("policy", "policy", "{}"), ("concurrency", "C", "{}"), ("requests",
             ("throughput_tokens_per_s", "throughput tok/s", "{:.1f}"),
             ("per_user_tokens_per_s", "per-user tok/s", "{:.1f}"),
             ("per_user_tokens_per_s_p50", "p50", "{:.1f}"), ("per_user_tokens_per_s_p90", "p90", "{:.1f}"),
+            ("throughput_ratio_to_ar", "×ar", "{:.2f}"), ("per_user_ratio_to_ar", "per-user ×ar", "{:.2f}"),
             ("mean_verify_len", "verify len", "{:.2f}"), ("acceptance_length", "τ", "{:.2f}"),
             ("mean_step_ms", "step ms", "{:.1f}"), ("scheduler_ms", "sched ms", "{:.3f}"),
             ("scheduler_ratio", "sched %", "{:.2%}"), ("identical", "identical", "{}")]
@@ -448,7 +503,9 @@ def _markdown(result: dict) -> str:
         "- throughput: output tokens in the steady window (exactly C in flight) / its wall time; per-user: "
         "completion tokens / latency from submission; verify len: drafts verified per request per step; "
         "τ: tokens committed per round incl. bonus; sched: time in Policy.verify_lengths per step",
-        "- identity: the first completed requests of each run equal an `ar` solo run (greedy)", "",
+        "- identity: the first completed requests of each run equal an `ar` solo run (greedy)",
+        f"- repeats: {cfg.get('repeats', 1)} run(s) per row, policies interleaved at each C; numbers are medians "
+        "over the runs; ×ar: throughput / `ar`'s in the same repeat (median)", "",
         markdown_table(result), ""])
 
 

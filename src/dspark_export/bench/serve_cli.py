@@ -13,6 +13,7 @@ EXAMPLES = """examples:
   dspark-export bench serve --engine-dir engines/smollm2 --concurrency 1,4 --requests 8 --max-new-tokens 48 \\
       --out-dir reports/serve
   dspark-export bench serve --engine-dir engines/smollm2 --policies ar,dspark-async --json serve.json
+  dspark-export bench serve --engine-dir engines/smollm2 --concurrency 2,8 --requests 16 --repeats 3
 """
 
 
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)})")
     parser.add_argument("--requests", type=int, default=None,
                         help="completed requests per (policy, C) (default max(4, 2·C))")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measured runs per (policy, C), policies interleaved; rows report medians and "
+                             "the paired ratio to ar (default 1)")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
@@ -39,7 +43,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
         engine_dir=args.engine_dir, concurrency=tuple(args.concurrency), policies=tuple(args.policies),
         requests=args.requests, datasets=tuple(args.datasets), datasets_dir=args.datasets_dir,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-        chat=not args.no_chat, warmup=not args.no_warmup, threads=args.threads)
+        chat=not args.no_chat, warmup=not args.no_warmup, threads=args.threads,
+        repeats=args.repeats)
     result = run_serve_bench(cfg, progress)
     write_outputs(result, args, write_reports, progress)
     return markdown_table(result)
