@@ -114,10 +114,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default="dspark",
                    help="ar | fixed:K | threshold:C | dspark | dspark-async (default dspark)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
-    g.add_argument("--no-cost-feedback", action="store_true",
-                   help="price drafting at the profile's drafter cost, not the cost measured while generating "
-                        "(dspark, dspark-async): verify lengths then do not depend on timings, so --seed "
-                        "reproduces sampled output exactly")
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
     g.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
                    help="engines to run: onnxruntime (default) or tensorrt (added by `dspark-export trt build`)")
@@ -270,8 +266,7 @@ def cmd_generate(args) -> int:
     parse_policy(args.policy)
     items = [(args.prompt, None)] if args.prompt is not None else _read_prompts(args.prompts_file)
     _progress(f"loading {args.engine_dir}")
-    rt = Runtime.open(args.engine_dir, policy=args.policy, verify=not args.no_verify, backend=args.backend,
-                      cost_feedback=not args.no_cost_feedback)
+    rt = Runtime.open(args.engine_dir, policy=args.policy, verify=not args.no_verify, backend=args.backend)
     if not rt.engines.manifest.runtime.get("drafter_trained", False) and rt.policy.drafts:
         _progress("note: this engine directory's drafter is untrained: drafts are rarely accepted")
     _progress(f"generating {len(items)} prompt(s) with policy {rt.policy}")

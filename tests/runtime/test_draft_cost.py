@@ -63,7 +63,7 @@ def _solo(rt, prompt, n):
 
 
 def test_async_skips_the_drafter_and_probes_back(runtime):  # noqa: F811
-    gen = Generator(runtime.engines, parse_policy("dspark-async"), cost_feedback=False)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
     # An expensive drafter: a step that verifies drafts cannot pay it back, so K* = 0 after two steps.
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     calls = []
@@ -78,7 +78,7 @@ def test_async_skips_the_drafter_and_probes_back(runtime):  # noqa: F811
 
 
 def test_async_with_a_cheap_drafter_never_skips(runtime):  # noqa: F811
-    gen = Generator(runtime.engines, parse_policy("dspark-async"), cost_feedback=False)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile((64,), (100.0,), draft_requests=(1, 4), draft_ms=(0.0, 0.0))
     result = gen.generate([PROMPTS[1]], [SamplingParams(max_new_tokens=30)])[0]
     assert gen.drafts_skipped == 0 and result.token_ids == _solo(runtime, PROMPTS[1], 30)
@@ -101,7 +101,7 @@ def test_skipped_steps_pay_no_drafter_cost_and_drafts_see_the_full_context(runti
     """SD-20 with a lazy drafter context: a skipped step runs no drafter engine at all (its committed
     rows wait in the backlog), yet every draft reads a context that reaches its anchor, holding the
     same rows as a policy that drafts (and flushes) every step."""
-    gen = Generator(runtime.engines, parse_policy("dspark-async"), cost_feedback=False)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     feeds = _draft_feeds(gen)
     graphs = []
@@ -133,7 +133,7 @@ def test_skipped_steps_pay_no_drafter_cost_and_drafts_see_the_full_context(runti
 def test_the_backlog_is_bounded_by_the_largest_context_bucket(runtime):  # noqa: F811
     """A prompt prefilled over two steps: once the backlog reaches the largest drafter_context bucket it
     is flushed without a draft (before the request ever drafts), so held features stay bounded."""
-    gen = Generator(runtime.engines, parse_policy("dspark-async"), cost_feedback=False)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     limit = gen.backlog_limit
     prompt = (PROMPTS[0] * 20)[:gen.max_context - 21]
@@ -188,7 +188,7 @@ def test_async_skip_follows_the_mean_not_one_unlucky_step(runtime):  # noqa: F81
     """Confidences alternating between 0.95 and 0.05: drafting pays on average (K* = 3 on the mean, see
     the worked example), so dspark-async keeps drafting, though every other step alone says K* = 0."""
     drafter = _AlternatingConfidence()
-    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter, cost_feedback=False)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=30)])[0]
     assert result.token_ids == _solo(runtime, PROMPTS[0], 30)
@@ -215,7 +215,7 @@ def test_async_skip_is_not_kept_on_by_lucky_requests(runtime):  # noqa: F811
     pay at R = 4 (the mean survival, see the profile), so dspark-async skips. A rule on per-request
     estimates would keep drafting: after a few steps some request has been lucky each time."""
     drafter = _ScriptedConfidence(lambda call, s: 0.95 if (call * 7919 + s.index * 104729) % 10 < 5 else 0.05)
-    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter, cost_feedback=False)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile((1, 2, 4, 8, 16), (40.0, 28.0, 25.0, 20.0, 12.0), draft_requests=(4,),
                                     draft_ms=(15.0,))
     hi, lo = np.cumprod(np.full(4, 0.95)), np.cumprod(np.full(4, 0.05))
@@ -232,7 +232,7 @@ def test_a_probe_restarts_the_estimate(runtime):  # noqa: F811
     """Confidence 0.05 for the first drafts, then 0.95: the first probe after the change switches the
     drafter back on (the probe's own survivals, not a mean still dominated by the old ones)."""
     drafter = _ScriptedConfidence(lambda call, s: 0.05 if call < 2 else 0.95)
-    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter, cost_feedback=False)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
     trace = []
     rid = gen.submit(PROMPTS[0], SamplingParams(max_new_tokens=60))
@@ -293,85 +293,3 @@ def test_the_calibration_bias_reaches_the_policy(runtime):  # noqa: F811
     expected = 1 / (1 + np.exp(-(np.log(c / (1 - c)) + biased.confidence_bias)))
     np.testing.assert_allclose(seen["biased"][0], expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(seen["biased"][0], seen["plain"][0])
-
-
-# -- cost feedback: drafting priced at the cost measured in the loop ---------------------------------------
-def test_profile_draft_scale_and_bucket_seconds():
-    p = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(10.0, 30.0))
-    scaled = p.with_draft_scale(1.5)
-    assert scaled.draft_ms == (15.0, 45.0) and scaled.buckets == p.buckets and scaled.steps_per_s == p.steps_per_s
-    assert p.bucket_seconds(8) == pytest.approx(0.05) and p.bucket_seconds(3) is None
-    for bad in (0.0, -1.0, float("inf"), float("nan")):
-        with pytest.raises(ProfileError, match="drafter cost scale"):
-            p.with_draft_scale(bad)
-
-
-def test_cost_feedback_scale_is_drafting_relative_to_the_target():
-    from dspark_export.runtime.generator import _CostFeedback
-
-    fb = _CostFeedback()
-    fb.observe_target(0.030, 0.025)
-    for _ in range(2):
-        fb.observe_draft(0.008, 0.004)
-    assert fb.scale() is None                          # fewer than 3 drafted steps: the profile as is
-    fb.observe_draft(0.008, 0.004)
-    assert fb.scale() == pytest.approx(2.0 / 1.2)       # drafting 2× its profile, the target 1.2×
-    fb.observe_target(0.030, None)                      # a bucket the profile lacks: ignored
-    assert fb.n_target == 1
-    slow = _CostFeedback()
-    slow.observe_target(0.010, 0.010)
-    for _ in range(3):
-        slow.observe_draft(1.0, 0.001)
-    assert slow.scale() == 8.0                           # clipped
-    # the newest observation weighs max(1/n, 0.1): after many steps at 3×, it converges there
-    for _ in range(60):
-        fb.observe_draft(0.012, 0.004)
-    assert fb.scale() == pytest.approx(3.0 / 1.2, rel=0.02)
-
-
-def test_measured_drafting_cost_reprices_the_skip_decision(runtime, monkeypatch):  # noqa: F811
-    """At the profile's price drafting pays (dspark-async never skips); once the loop measures drafting
-    8× dearer than profiled (and the target as profiled), it stops paying and dspark-async skips."""
-    from dspark_export.runtime import generator as G
-
-    profile = ThroughputProfile((1, 2, 4, 8, 16, 32, 64), (40.0, 39.0, 38.0, 37.0, 30.0, 20.0, 10.0),
-                                draft_requests=(1, 4), draft_ms=(2.0, 2.0))
-    # c = 0.3 at every position, R = 1: skipping gives 40 tok/s; drafting at d = 2 ms gives 1.3 / (25.6 + 2 ms)
-    # = 47 tok/s for K = 1 (up to 50 for K = 3), but at d = 16 ms at most 1.417 / (26.3 + 16 ms) = 33.5
-    real_draft, real_target = G._CostFeedback.observe_draft, G._CostFeedback.observe_target
-
-    def run(feedback: bool, measured_ratio: float):
-        gen = Generator(runtime.engines, parse_policy("dspark-async"), cost_feedback=feedback,
-                        drafter=_ScriptedConfidence(lambda call, s: 0.3))
-        gen.profile = profile
-        # the loop's clock, made deterministic: drafting takes measured_ratio × d(R), the target its 1/SPS
-        monkeypatch.setattr(G._CostFeedback, "observe_draft",
-                            lambda self, measured, profiled: real_draft(self, measured_ratio * profiled, profiled))
-        monkeypatch.setattr(G._CostFeedback, "observe_target",
-                            lambda self, measured, profiled: real_target(self, profiled, profiled))
-        result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=40)])[0]
-        assert result.token_ids == _solo(runtime, PROMPTS[0], 40)
-        return gen
-
-    plain = run(False, 8.0)
-    assert plain.drafts_skipped == 0 and plain.draft_cost_scale is None
-    as_profiled = run(True, 1.0)
-    assert as_profiled.drafts_skipped == 0 and as_profiled.draft_cost_scale == pytest.approx(1.0)
-    dear = run(True, 8.0)
-    assert dear.draft_cost_scale == pytest.approx(8.0) and dear.drafts_skipped > 0
-    assert dear._priced_profile().draft_ms == pytest.approx((16.0, 16.0))
-
-
-def test_the_loop_feeds_its_timings(runtime):  # noqa: F811
-    gen = Generator(runtime.engines, parse_policy("dspark"))
-    seen = {"draft": [], "target": []}
-    gen._cost.observe_draft = lambda m, p: seen["draft"].append((m, p))
-    gen._cost.observe_target = lambda m, p: seen["target"].append((m, p))
-    result = gen.generate([PROMPTS[1]], [SamplingParams(max_new_tokens=12)])[0]
-    assert len(seen["draft"]) == result.stats.rounds           # every decoding step drafted (dspark)
-    assert len(seen["target"]) >= result.stats.rounds           # prefill passes too
-    assert all(m > 0 and p == gen.profile.draft_seconds(1) for m, p in seen["draft"])
-    assert all(m > 0 for m, _ in seen["target"])
-    # no profile-priced policy: no feedback at all
-    fixed = Generator(runtime.engines, parse_policy("fixed:2"))
-    assert fixed.draft_cost_scale is None and not fixed._costed()

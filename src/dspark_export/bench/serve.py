@@ -21,9 +21,6 @@ Measurements (wall clock, `time.perf_counter`):
   both over all requests of the run.
 - `drafter_steps_skipped`: steps whose drafter block `dspark-async` skipped because the capacity K* from
   earlier confidences was 0 under the drafter cost (`Generator._skip_drafting`).
-- `draft_cost_scale`: at the end of the run, the factor on the profile's drafter cost d(R) that the
-  profile-priced policies (`dspark`, `dspark-async`) used, measured in the loop (`Generator`'s
-  `cost_feedback`); None for the other policies.
 - `scheduler_ms`: time inside `Policy.verify_lengths` per step, measured by a timing subclass of
   the policy handed to the generator (the runtime is not modified); 0 for `ar`, which never calls it.
 - `throughput_ratio_to_ar`, `per_user_ratio_to_ar` (when `ar` is among the policies): the row's number
@@ -336,15 +333,13 @@ def _summarise(policy: str, concurrency: int, gen: Generator, run: _Run) -> dict
         "slots": gen.max_slots,
         "finish_reasons": dict(Counter(r.finish_reason for r in results)),
         "drafter_steps_skipped": gen.drafts_skipped,
-        "draft_cost_scale": None if gen.draft_cost_scale is None else round(gen.draft_cost_scale, 4),
     }
 
 
 #: per-run numbers a row reports as the median over its repeats
 _MEDIAN_KEYS = ("throughput_tokens_per_s", "per_user_tokens_per_s", "per_user_tokens_per_s_p50",
                 "per_user_tokens_per_s_p90", "mean_verify_len", "acceptance_length", "mean_step_ms", "scheduler_ms",
-                "scheduler_ratio", "ttft_ms_mean", "latency_s_mean", "throughput_overall_tokens_per_s",
-                "draft_cost_scale")
+                "scheduler_ratio", "ttft_ms_mean", "latency_s_mean", "throughput_overall_tokens_per_s")
 #: per-run numbers a row reports as the sum over its repeats
 _SUM_KEYS = ("requests", "output_tokens", "window_tokens", "window_steps", "window_s", "wall_s",
              "drafter_steps_skipped", "identity_checked")
@@ -478,7 +473,7 @@ _COLUMNS = [("policy", "policy", "{}"), ("concurrency", "C", "{}"), ("requests",
             ("per_user_tokens_per_s_p50", "p50", "{:.1f}"), ("per_user_tokens_per_s_p90", "p90", "{:.1f}"),
             ("throughput_ratio_to_ar", "×ar", "{:.2f}"), ("per_user_ratio_to_ar", "per-user ×ar", "{:.2f}"),
             ("mean_verify_len", "verify len", "{:.2f}"), ("acceptance_length", "τ", "{:.2f}"),
-            ("draft_cost_scale", "d scale", "{:.2f}"), ("mean_step_ms", "step ms", "{:.1f}"), ("scheduler_ms", "sched ms", "{:.3f}"),
+            ("mean_step_ms", "step ms", "{:.1f}"), ("scheduler_ms", "sched ms", "{:.3f}"),
             ("scheduler_ratio", "sched %", "{:.2%}"), ("identical", "identical", "{}")]
 
 

@@ -32,24 +32,19 @@ class Runtime:
         engines (EngineSet): activated engines.
         tokenizer: a transformers tokenizer (from the engine directory's tokenizer/ folder).
         policy (Policy): verification policy.
-        cost_feedback (bool): price drafting at the cost measured in the loop (`Generator`'s argument).
     """
 
-    def __init__(self, engines: EngineSet, tokenizer, policy: Policy, cost_feedback: bool = True):
+    def __init__(self, engines: EngineSet, tokenizer, policy: Policy):
         self.engines, self.tokenizer, self.policy = engines, tokenizer, policy
-        self.cost_feedback = cost_feedback
-        self.generator = Generator(engines, policy, detokenize=self.decode, cost_feedback=cost_feedback)
+        self.generator = Generator(engines, policy, detokenize=self.decode)
 
     @classmethod
     def open(cls, engine_dir: str | Path, policy: str | Policy = "dspark", verify: bool = True,
-             threads: int = 0, backend: str = "onnxruntime", prepack: bool = True,
-             cost_feedback: bool = True) -> "Runtime":
+             threads: int = 0, backend: str = "onnxruntime", prepack: bool = True) -> "Runtime":
         """Load and check an engine directory, activate all its engines, load its tokenizer.
 
         `prepack=False` trades the shared prepacked sessions (about 2× faster multi-row passes on CPU, one
-        packed weight copy per graph) for less memory (`engines/onnxruntime.py`). `cost_feedback=False`
-        prices drafting at the profile's drafter cost only, so a seeded sampled request reproduces under
-        `dspark`/`dspark-async` (`Generator`).
+        packed weight copy per graph) for less memory (`engines/onnxruntime.py`).
 
         Raises:
             EngineDirError: missing/altered files, bad manifest, unreadable graphs or tokenizer.
@@ -62,11 +57,11 @@ class Runtime:
         pol = policy if isinstance(policy, Policy) else parse_policy(policy)
         engines = EngineSet.open(Path(engine_dir), verify=verify, threads=threads, backend=backend,
                                  prepack=prepack).activate_all()
-        return cls(engines, _load_tokenizer(engines), pol, cost_feedback=cost_feedback)
+        return cls(engines, _load_tokenizer(engines), pol)
 
     def set_policy(self, policy: str | Policy) -> None:
         self.policy = policy if isinstance(policy, Policy) else parse_policy(policy)
-        self.generator = Generator(self.engines, self.policy, detokenize=self.decode, cost_feedback=self.cost_feedback)
+        self.generator = Generator(self.engines, self.policy, detokenize=self.decode)
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated ids (special tokens skipped); stop strings are matched on this text."""

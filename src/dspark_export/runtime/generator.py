@@ -46,45 +46,6 @@ __all__ = ["Generator"]
 _MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps between drafter probes
 _SURVIVAL_EMA = 0.25   # dspark-async skip decision: least weight of the newest drafted step in the mean
 _PROBE_STEPS = 2       # dspark-async: drafted steps per probe (the mean restarts from them)
-_COST_EMA = 0.1        # cost feedback: least weight of the newest observation in each running log-ratio
-_COST_MIN_DRAFTS = 3   # cost feedback: drafted steps observed before the measured price replaces the profile's
-_COST_SCALE_LIMITS = (0.125, 8.0)
-_COST_RESCALE = np.log(1.1)   # rebuild the priced profile once the scale moved by more than 10 %
-
-
-class _CostFeedback:
-    """Running means of log(measured / profiled) for the drafting part of a step and for the target pass.
-
-    scale = exp(mean log-ratio of drafting − mean log-ratio of the target), clipped to
-    `_COST_SCALE_LIMITS`: how much dearer drafting is in the loop than the profile says, relative to
-    the target pass (only the ratio moves the policies' argmax: Θ = τ / (t(B) + d(R)) scaled through by
-    one factor keeps its maximiser). Each mean weighs its newest observation max(1/n, `_COST_EMA`).
-    """
-
-    def __init__(self):
-        self.draft, self.target = 0.0, 0.0
-        self.n_draft, self.n_target = 0, 0
-
-    @staticmethod
-    def _fold(mean: float, n: int, value: float) -> float:
-        w = max(1.0 / n, _COST_EMA)
-        return value if n == 1 else (1 - w) * mean + w * value
-
-    def observe_target(self, measured_s: float, profiled_s: float | None) -> None:
-        if profiled_s and measured_s > 0:
-            self.n_target += 1
-            self.target = self._fold(self.target, self.n_target, float(np.log(measured_s / profiled_s)))
-
-    def observe_draft(self, measured_s: float, profiled_s: float) -> None:
-        if profiled_s > 0 and measured_s > 0:
-            self.n_draft += 1
-            self.draft = self._fold(self.draft, self.n_draft, float(np.log(measured_s / profiled_s)))
-
-    def scale(self) -> float | None:
-        """The drafter-cost scale, or None before `_COST_MIN_DRAFTS` drafted steps and one target pass."""
-        if self.n_draft < _COST_MIN_DRAFTS or self.n_target == 0:
-            return None
-        return float(np.clip(np.exp(self.draft - self.target), *_COST_SCALE_LIMITS))
 
 
 def _load_profile(engines: EngineSet) -> ThroughputProfile:
@@ -155,23 +116,13 @@ class Generator:
             (e.g. `runtime.self_draft.TargetDrafter`, the target drafting for itself). The DSpark
             drafter context (`draft_kv`) is not for such a drafter: its valid length may lag the target's
             (rows wait in each request's backlog until a DSpark draft flushes them).
-        cost_feedback (bool): price drafting at the cost measured in this loop (`dspark`, `dspark-async`
-            with a profiled drafter cost). The profile times the drafter block alone, back to back; in
-            the loop a drafted step also pays the context flush of the newly committed rows, the
-            drafts' checks and a colder cache (SmolLM2, 2-core CPU, R = 1: 7.3-8.2 ms against the
-            profile's 4.5 ms, while the target pass ran within 6-12 % of its profile). With feedback,
-            d(R) is scaled by the measured-over-profiled ratio of drafting relative to that of the
-            target pass (`_CostFeedback`) once 3 drafted steps were timed. Defaults to True. Verify
-            lengths then depend on timings: greedy output is unchanged (any lengths are lossless),
-            but a seeded sampled request is reproducible only with False.
 
     Thread safety: `submit` and `cancel` may be called from any thread; `step`/`generate` from one
     thread at a time.
     """
 
     def __init__(self, engines: EngineSet, policy: Policy, max_slots: int | None = None,
-                 detokenize: Callable[[list[int]], str] | None = None, drafter: Callable | None = None,
-                 cost_feedback: bool = True):
+                 detokenize: Callable[[list[int]], str] | None = None, drafter: Callable | None = None):
         rt = engines.manifest.runtime
         self.engines, self.policy = engines, policy
         self.detokenize, self.drafter = detokenize, drafter
@@ -199,9 +150,6 @@ class Generator:
         self._survival_mean: np.ndarray | None = None
         self._survival_n = 0
         self.drafts_skipped = 0  # steps whose drafter block was skipped (dspark-async), for benchmarks
-        self.cost_feedback = bool(cost_feedback)
-        self._cost = _CostFeedback()
-        self._priced: tuple[ThroughputProfile, float, ThroughputProfile] | None = None  # (base, scale, priced)
         self._lock = threading.Lock()
         self._waiting: deque[_State] = deque()
         self._cancel_marked: list[_State] = []
@@ -448,15 +396,12 @@ class Generator:
         drafting = bool(self.policy.drafts and decoding and not self._skip_drafting(decoding))
         flush = [s for s in active if s.backlog_rows and ((drafting and s.decoding)
                                                           or s.backlog_rows >= self.backlog_limit)]
-        t_draft = time.perf_counter()
         flushed = self._flush_context(flush, failed)
         decoding = [s for s in decoding if s.slot not in failed]
         drafts = self._draft(decoding, flushed) if drafting and decoding else None
         if drafts is not None:
             failed.update(self._check_drafts(drafts, decoding))
             decoding = [s for s in decoding if s.slot not in failed]
-            if self._costed():
-                self._cost.observe_draft(time.perf_counter() - t_draft, self.profile.draft_seconds(self.num_slots))
         verify_lens, conf = self._schedule(decoding, drafts)
         segments = [Segment(s.slot, np.concatenate([[s.anchor], drafts["draft_ids"][s.slot, :verify_lens[s.slot]]])
                             if drafts else np.array([s.anchor]), s.start) for s in decoding]
@@ -491,27 +436,6 @@ class Generator:
             rnd.commit = self._commit_rows(packed, out, keep, failed)
         return rnd
 
-    def _costed(self) -> bool:
-        """Whether this loop's timings reprice drafting (`cost_feedback`, a profile with a drafter cost)."""
-        return self.cost_feedback and self.profile is not None and self.profile.has_draft_cost
-
-    @property
-    def draft_cost_scale(self) -> float | None:
-        """The factor on the profile's drafter cost d(R) that the policies currently use (None: the
-        profile as is; see `cost_feedback`)."""
-        return self._cost.scale() if self._costed() else None
-
-    def _priced_profile(self) -> ThroughputProfile | None:
-        """The profile the policies decide on: `self.profile`, its d(R) scaled by `draft_cost_scale`
-        once known (rebuilt when the scale moves by more than 10 %, or the profile is replaced)."""
-        scale = self.draft_cost_scale
-        if scale is None:
-            return self.profile
-        if self._priced is None or self._priced[0] is not self.profile \
-                or abs(np.log(scale / self._priced[1])) > _COST_RESCALE:
-            self._priced = (self.profile, scale, self.profile.with_draft_scale(scale))
-        return self._priced[2]
-
     def _skip_drafting(self, decoding: list[_State]) -> bool:
         """dspark-async with a known drafter cost: skip the drafter block when drafting does not pay: the
         capacity K* for the current R requests, each given the running mean survival of earlier
@@ -525,9 +449,6 @@ class Generator:
         run at 2, 4, 8 clients) they gave 0.91, 0.86, 0.90 against 1.07, 0.86, 0.90 for the averaged
         mean. The cost: one request worth drafting for among many that are not is not drafted for. (Which positions a drafted step verifies is still §5.2's lagged
         capacity, per request.)
-
-        The price of drafting is the profile's d(R), scaled by the cost measured in this loop
-        (`cost_feedback`, `_priced_profile`).
 
         Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs
         for a probe of 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
@@ -552,8 +473,7 @@ class Generator:
         if self._survival_mean is None:
             return False
         R = len(decoding)
-        if mean_survival_capacity(np.broadcast_to(self._survival_mean, (R, self.block_size)), R,
-                                  self._priced_profile()) > 0:
+        if mean_survival_capacity(np.broadcast_to(self._survival_mean, (R, self.block_size)), R, self.profile) > 0:
             self._probe_interval = _MIN_PROBE_INTERVAL
             return False
         self._skipped += 1
@@ -667,7 +587,7 @@ class Generator:
             return {int(slot): 0 for slot in slots}, None
         conf = drafts["confidence"][slots]
         lag = self._history[0] if len(self._history) == 2 else None
-        lens = self.policy.verify_lengths(conf, self.block_size, self._priced_profile(), lag, caps)
+        lens = self.policy.verify_lengths(conf, self.block_size, self.profile, lag, caps)
         return {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}, conf
 
     def _emit(self, s: _State, tokens: list[int], rounds: int) -> None:
@@ -728,11 +648,7 @@ class Generator:
         for seg in segments:
             self.target_kv.reserve(int(self.target_kv.lens[seg.slot]) + len(seg.token_ids))
         feed = {**packed.feed, **self.target_kv.feed("past_key", "past_value")}
-        out = self._infer(runner, feed)
-        latency_ms = getattr(runner, "last_latency_ms", 0.0)
-        if self._costed() and latency_ms:
-            self._cost.observe_target(latency_ms / 1e3, self.profile.bucket_seconds(runner.key.bucket))
-        return packed, out
+        return packed, self._infer(runner, feed)
 
     def _commit_rows(self, packed, out: dict, keep: dict[int, int], failed: dict[int, str]) -> "_Commit":
         """The first keep[slot] rows of each slot's segment: their target K/V, and (when the policy

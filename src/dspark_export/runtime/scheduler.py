@@ -137,25 +137,6 @@ class ThroughputProfile:
         i = min(int(np.searchsorted(self._draft_r, num_requests, side="left")), len(self.draft_ms) - 1)
         return self.draft_ms[i] / 1000.0
 
-    def with_draft_scale(self, scale: float) -> "ThroughputProfile":
-        """This profile with every drafter latency d(R) multiplied by `scale` (> 0, finite): how the
-        runtime prices drafting at the cost it measures in its own loop (`Generator.cost_feedback`).
-
-        Raises:
-            ProfileError: `scale` is not a finite number > 0.
-        """
-        if not (np.isfinite(scale) and scale > 0):
-            raise ProfileError(f"profile: drafter cost scale must be finite and > 0, found {scale!r}")
-        return ThroughputProfile(self.buckets, self.steps_per_s, self.draft_requests,
-                                 tuple(ms * float(scale) for ms in self.draft_ms))
-
-    def bucket_seconds(self, bucket: int) -> float | None:
-        """The profiled latency of exactly this target bucket, 1/SPS, s; None for a bucket not profiled."""
-        try:
-            return 1.0 / self.steps_per_s[self.buckets.index(int(bucket))]
-        except ValueError:
-            return None
-
     @property
     def max_tokens(self) -> int:
         """The largest bucket: the most verification tokens one step can hold."""
