@@ -655,19 +655,19 @@ def test_sd21_sd23_long_prompt_then_slot_reuse_positions_are_contiguous(rel_runt
         qs, lens, pos = feed["query_start"], feed["cache_lens"], feed["position_ids"]
         for slot in range(len(lens)):
             q = int(qs[slot + 1] - qs[slot])
-            real = q if slot < len(lens) - 1 or q == 0 else None
             rows = pos[qs[slot]:qs[slot + 1]]
             if q == 0:
                 continue
-            # padding rows (bucket fill) follow the last real row of the last segment; check real rows only
-            n = q if real is not None else _real_rows(feed, slot)
+            # padding rows (bucket fill) follow a slot's real rows and repeat its last position (a slot
+            # with padding only: its next position, cache_len); check the real rows
+            n = _real_rows(feed, slot)
             np.testing.assert_array_equal(rows[:n], lens[slot] + np.arange(n))
             starts_at_zero += int(lens[slot] == 0)
     assert starts_at_zero >= 8
 
 
 def _real_rows(feed, slot):
-    """Real rows of the last non-empty segment: positions grow by 1 until the padding repeats the last."""
+    """Real rows of a slot's query range: positions grow by 1 until the padding repeats the last."""
     qs, pos = feed["query_start"], feed["position_ids"]
     rows = pos[qs[slot]:qs[slot + 1]]
     steps = np.diff(rows)
@@ -725,11 +725,12 @@ def test_sd28_padding_rows_and_empty_slots_are_inert_and_finite(rel_runtime):
     out1 = runner.infer({**packed.feed, **past})
     feed2 = dict(packed.feed)
     feed2["input_ids"] = feed2["input_ids"].copy()
-    feed2["input_ids"][13:] = rng.integers(0, 256, 32 - 13)
+    padding = np.setdiff1d(np.arange(32), packed.real_rows)
+    feed2["input_ids"][padding] = rng.integers(0, 256, 32 - 13)
     out2 = runner.infer({**feed2, **past})
     for name, x in out1.items():
         assert np.isfinite(x).all(), name
-    real = np.arange(13)
+    real = packed.real_rows
     for name in out1:
         if name.startswith("new_") or name == "aux_hidden":
             np.testing.assert_array_equal(out1[name][real], out2[name][real], err_msg=name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dspark_export.runtime.generator import Generator
@@ -71,3 +72,50 @@ def test_invalid_request_fails_at_submit_without_touching_others(runtime):  # no
     while gen.has_work():
         gen.step()
     assert gen.result(ok).token_ids == _solo(runtime, "ar", MORE[0], 10)
+
+
+@pytest.mark.parametrize("policy", ["ar", "fixed:4"])
+def test_a_prefill_chunk_next_to_decode_rows_runs_over_its_slot_alone(runtime, policy):  # noqa: F811
+    """A prompt arriving while others decode is prefilled in a target pass over a one-slot view of the cache
+    (its query would otherwise pad every slot's); decode and verification rows stay in the shared pass, and
+    every request still equals its solo run."""
+    gen = Generator(runtime.engines, parse_policy(policy))
+    passes = []
+    real = gen._infer
+
+    def infer(runner, feed):
+        if runner.key.graph == "target":
+            passes.append((gen.num_slots, feed["past_key.0"].shape[0], len(feed["cache_lens"]),
+                           int(feed["input_ids"].shape[0]), feed["past_key.0"]))
+        return real(runner, feed)
+    gen._infer = infer
+    long_prompt = [60 + i % 50 for i in range(30)]            # longer than a verification block (γ + 1 = 5)
+    first = gen.submit(PROMPTS[0], SamplingParams(max_new_tokens=16))
+    second = gen.submit(PROMPTS[1], SamplingParams(max_new_tokens=16))
+    for _ in range(3):
+        gen.step()
+    passes.clear()
+    third = gen.submit(long_prompt, SamplingParams(max_new_tokens=10))
+    gen.step()                                                 # decode rows of 2 requests + the 30-token prefill
+    slots = gen.num_slots
+    assert slots > 1 and len(passes) == 2
+    shared, alone = passes
+    assert shared[1] == shared[2] == slots and alone[1] == alone[2] == 1
+    assert alone[3] >= len(long_prompt) and shared[3] < len(long_prompt)
+    cache = gen.target_kv.keys[0]
+    assert np.shares_memory(alone[4], cache) and np.shares_memory(shared[4], cache)   # views, no copies
+    while gen.has_work():
+        gen.step()
+    for rid, prompt, n in ((first, PROMPTS[0], 16), (second, PROMPTS[1], 16), (third, long_prompt, 10)):
+        assert gen.result(rid).token_ids == _solo(runtime, policy, prompt, n)
+
+
+def test_a_lone_request_prefills_in_the_shared_pass(runtime):  # noqa: F811
+    gen = Generator(runtime.engines, parse_policy("ar"))
+    shapes = []
+    real = gen._infer
+    gen._infer = lambda runner, feed: (shapes.append(len(feed["cache_lens"])) if runner.key.graph == "target"
+                                       else None) or real(runner, feed)
+    gen.generate([[60 + i % 50 for i in range(30)]], [SamplingParams(max_new_tokens=4)])
+    assert shapes and set(shapes) == {1}                      # one slot: nothing to split, one pass per step
+    assert len(shapes) == 4

@@ -2,9 +2,16 @@
 
 A segment is the new tokens of one slot in one target pass: a prefill chunk, a decode token, or
 [anchor, draft_1..draft_ℓ] for verification. Slots without a segment get an empty query.
-Padding rows (to reach the engine's bucket N) are appended to the last non-empty segment: they
-come after its real rows, so the causal mask keeps every real row blind to them, and their
-outputs (logits, features, K/V) are never read back. That makes them inert.
+Padding rows (to reach the engine's bucket N) are spread over the slots, each slot's after its real
+rows, so the causal mask keeps every real row blind to them, and their outputs (logits, features,
+K/V) are never read back. That makes them inert. A padding row takes its slot's last real position
+(a slot without a segment: its next position, cache_lens[slot]).
+
+Why spread: the graph pads every slot's query to the longest one (`pad_index` [S, Q]) and attends
+S × Q query rows over the cache, so Q should stay near N / S. Filling the shortest slots first gives
+Q = max(longest segment, ⌈N / S⌉). All padding on the last segment made Q as large as the padding:
+SmolLM2 on this CPU, S = 16, 17 real rows in bucket 32, cache capacity 512: 185 ms with Q = 16 against
+87 ms for 32 real rows with Q = 2 (one measurement each).
 """
 
 from __future__ import annotations
@@ -35,13 +42,15 @@ class PackedBatch:
             logit_rows [M] (all int64).
         row_start: {slot: first packed row of its segment}.
         logit_start: {slot: first row of its logits in the `logits` output}.
-        num_real_tokens: rows before padding.
+        num_real_tokens: rows that are not padding.
+        real_rows: [num_real_tokens] int64, the packed rows that are not padding, in order.
     """
 
     feed: dict[str, np.ndarray]
     row_start: dict[int, int]
     logit_start: dict[int, int]
     num_real_tokens: int
+    real_rows: np.ndarray | None = None
 
 
 def pack_segments(segments: list[Segment], num_slots: int, cache_lens: np.ndarray, bucket: int) -> PackedBatch:
@@ -58,27 +67,44 @@ def pack_segments(segments: list[Segment], num_slots: int, cache_lens: np.ndarra
     total = int(lengths.sum())
     if total == 0 or total > bucket:
         raise ValueError(f"pack_segments: {total} tokens do not fit bucket {bucket}")
-    last = max(s for s in range(num_slots) if lengths[s] > 0)
-    lengths[last] += bucket - total
-    query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    padded = _spread_padding(lengths, bucket - total)
+    query_start = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
     ids = np.zeros(bucket, np.int64)
     pos = np.zeros(bucket, np.int64)
+    real = np.zeros(bucket, bool)
     logit_rows, row_start, logit_start = [], {}, {}
     for slot in sorted(by_slot):
         seg, a = by_slot[slot], int(query_start[slot])
         q = len(seg.token_ids)
         ids[a:a + q] = seg.token_ids
         pos[a:a + q] = seg.start_position + np.arange(q)
+        pos[a + q:query_start[slot + 1]] = seg.start_position + q - 1   # its padding: any position
+        real[a:a + q] = True
         row_start[slot] = a
         if seg.logits != "none":
             logit_start[slot] = len(logit_rows)
             logit_rows += list(range(a, a + q)) if seg.logits == "all" else [a + q - 1]
-    real_end = int(query_start[last]) + len(by_slot[last].token_ids)
-    pos[real_end:] = pos[real_end - 1]  # padding rows: any position; they are never read back
-    width = int(lengths.max())
+    for slot in range(num_slots):                       # a slot with padding only: its next position
+        if slot not in by_slot:
+            pos[query_start[slot]:query_start[slot + 1]] = cache_lens[slot]
+    width = int(padded.max())
     j = np.arange(width)[None, :]
-    pad_index = np.where(j < lengths[:, None], query_start[:-1, None] + j, 0).astype(np.int64)
+    pad_index = np.where(j < padded[:, None], query_start[:-1, None] + j, 0).astype(np.int64)
     feed = {"input_ids": ids, "position_ids": pos, "query_start": query_start,
             "cache_lens": np.asarray(cache_lens, np.int64), "pad_index": pad_index,
             "logit_rows": np.asarray(logit_rows or [0], np.int64)}
-    return PackedBatch(feed, row_start, logit_start, total)
+    return PackedBatch(feed, row_start, logit_start, total, np.flatnonzero(real))
+
+
+def _spread_padding(lengths: np.ndarray, pad: int) -> np.ndarray:
+    """Per-slot query lengths [S] after adding `pad` padding rows, shortest slots first, so the longest is
+    max(max(lengths), ⌈(Σ lengths + pad) / S⌉); ties go to the lower slot."""
+    width = max(int(lengths.max()), -(-(int(lengths.sum()) + pad) // len(lengths)))
+    room = width - lengths
+    out = lengths.copy()
+    left = pad
+    for slot in range(len(lengths)):
+        take = min(int(room[slot]), left)
+        out[slot] += take
+        left -= take
+    return out

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..engines.engine_set import EngineSet
-from ..engines.packing import Segment, pack_segments
+from ..engines.packing import PackedBatch, Segment, pack_segments
 from ..errors import EngineDirError, EngineRunError, RequestError
 from .kv_cache import KVCache
 from .policies import Policy
@@ -641,14 +641,57 @@ class Generator:
         except Exception as e:  # ORT raises its own Fail/RuntimeException/... types
             raise EngineRunError(f"engine {runner.key.path} failed ({type(e).__name__}: {e})") from e
 
-    def _target_pass(self, segments: list[Segment]):
-        total = sum(len(seg.token_ids) for seg in segments)
-        runner = self.engines.runner("target", total)
-        packed = pack_segments(segments, self.num_slots, self.target_kv.lens, runner.key.bucket)
+    def _target_pass(self, segments: list[Segment]) -> tuple[PackedBatch, dict[str, np.ndarray]]:
+        """Run the step's segments through the target; returns (where each slot's rows and logits
+        landed, the outputs), as one packed pass would.
+
+        A segment longer than a verification block (a prefill chunk) runs in a pass of its own over
+        its slot alone (a one-request view of the cache, zero-copy) whenever the cache has more than
+        one slot. Why: the graph's attention pads every slot's query to the longest one ([S, Q],
+        `pad_index`), so a 200-token chunk next to S decode rows costs S × 200 query rows of attention
+        over the whole cache. SmolLM2, this CPU, 200-token chunk at cache capacity 512 (one
+        measurement each): alone 482 ms; in one pass with 7 decode rows at S = 8 1,616 ms, at S = 16
+        2,906 ms; the decode rows on their own 55 ms. The price of the split is one more weight read
+        of the target per step that carries a prefill chunk.
+        """
         for seg in segments:
             self.target_kv.reserve(int(self.target_kv.lens[seg.slot]) + len(seg.token_ids))
-        feed = {**packed.feed, **self.target_kv.feed("past_key", "past_value")}
-        return packed, self._infer(runner, feed)
+        S = self.num_slots
+        alone = [seg for seg in segments if S > 1 and len(seg.token_ids) > self.block_size + 1]
+        apart = {id(seg) for seg in alone}
+        shared = [seg for seg in segments if id(seg) not in apart]
+        passes = [self._target_run(shared, None)] if shared else []
+        passes += [self._target_run([seg], seg.slot) for seg in alone]
+        if len(passes) == 1:
+            return passes[0]
+        row_start, logit_start, outs, rows, logits = {}, {}, [], 0, 0
+        for packed, out in passes:
+            row_start.update({slot: a + rows for slot, a in packed.row_start.items()})
+            logit_start.update({slot: a + logits for slot, a in packed.logit_start.items()})
+            rows, logits = rows + out["aux_hidden"].shape[0], logits + out["logits"].shape[0]
+            outs.append(out)
+        merged = {name: np.concatenate([out[name] for out in outs]) for name in outs[0]}
+        return PackedBatch({}, row_start, logit_start, sum(p.num_real_tokens for p, _ in passes)), merged
+
+    def _target_run(self, segments: list[Segment], slot: int | None) -> tuple[PackedBatch, dict[str, np.ndarray]]:
+        """One target pass: over every slot of the cache (slot None), or over `slot` alone (one segment;
+        the pass sees a [1, kvH, C, D] view of that slot's cache, and its rows are reported under `slot`)."""
+        runner = self.engines.runner("target", sum(len(seg.token_ids) for seg in segments))
+        kv = self.target_kv
+        if slot is None:
+            packed = pack_segments(segments, self.num_slots, kv.lens, runner.key.bucket)
+            return packed, self._infer(runner, {**packed.feed, **kv.feed("past_key", "past_value")})
+        seg = segments[0]
+        packed = pack_segments([Segment(0, seg.token_ids, seg.start_position, seg.logits)], 1,
+                               kv.lens[slot:slot + 1], runner.key.bucket)
+        feed = dict(packed.feed)
+        for layer in range(kv.num_layers):
+            feed[f"past_key.{layer}"] = kv.keys[layer][slot:slot + 1]
+            feed[f"past_value.{layer}"] = kv.values[layer][slot:slot + 1]
+        out = self._infer(runner, feed)
+        return PackedBatch({}, {slot: packed.row_start[0]},
+                           {slot: packed.logit_start[0]} if 0 in packed.logit_start else {},
+                           packed.num_real_tokens), out
 
     def _commit_rows(self, packed, out: dict, keep: dict[int, int], failed: dict[int, str]) -> "_Commit":
         """The first keep[slot] rows of each slot's segment: their target K/V, and (when the policy
