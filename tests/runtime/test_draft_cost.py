@@ -200,10 +200,8 @@ class _ScriptedConfidence:
 
     def __init__(self, confidence):
         self.base, self.calls, self.confidence = TargetDrafter(), 0, confidence
-        self.sizes: list[int] = []    # requests drafted for, per call
 
     def __call__(self, gen, active):
-        self.sizes.append(len(active))
         out = dict(self.base(gen, active))
         out["confidence"] = out["confidence"].copy()
         for s in active:
@@ -215,9 +213,7 @@ class _ScriptedConfidence:
 def test_async_skip_is_not_kept_on_by_lucky_requests(runtime):  # noqa: F811
     """Four requests whose confidence is 0.95 or 0.05 at random per step: on average drafting does not
     pay at R = 4 (the mean survival, see the profile), so dspark-async skips. A rule on per-request
-    estimates would keep drafting: after a few steps some request has been lucky each time. (A probe
-    drafts for one request, so a lucky probe may switch drafting on for all; the request-averaged mean
-    of the steps that follow switches it off again.)"""
+    estimates would keep drafting: after a few steps some request has been lucky each time."""
     drafter = _ScriptedConfidence(lambda call, s: 0.95 if (call * 7919 + s.index * 104729) % 10 < 5 else 0.05)
     gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile((1, 2, 4, 8, 16), (40.0, 28.0, 25.0, 20.0, 12.0), draft_requests=(4,),
@@ -227,10 +223,7 @@ def test_async_skip_is_not_kept_on_by_lucky_requests(runtime):  # noqa: F811
     ids = [gen.submit(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS[:4]]
     while gen.has_work():
         gen.step()
-    # while all four run (where drafting does not pay), at most one step drafts for all of them: the step
-    # that follows a lucky one-request probe and replaces its estimate
-    assert sum(1 for n in drafter.sizes if n == 4) <= 1 and drafter.sizes.count(1) >= 4
-    assert gen.drafts_skipped >= 8
+    assert gen.drafts_skipped > drafter.calls
     for rid, p in zip(ids, PROMPTS[:4]):
         assert gen.result(rid).token_ids == _solo(runtime, p, 40)
 

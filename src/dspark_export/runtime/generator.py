@@ -145,7 +145,6 @@ class Generator:
         self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
         self._skipped, self._probe_interval = 0, _MIN_PROBE_INTERVAL  # dspark-async drafter skipping
         self._probe_left = 0  # drafted steps left in the current probe
-        self._probed_one = False  # the survival mean rests on a one-request probe only
         # [γ] running mean over drafted steps of the request-averaged survival, and the steps in it since
         # the last probe (the newest weighs max(1/n, _SURVIVAL_EMA))
         self._survival_mean: np.ndarray | None = None
@@ -394,16 +393,16 @@ class Generator:
         length until `_apply`)."""
         decoding = [s for s in active if s.decoding]
         failed: dict[int, str] = {}
-        drafted = {s.slot for s in self._draft_set(decoding)}
-        flush = [s for s in active if s.backlog_rows and (s.slot in drafted or s.backlog_rows >= self.backlog_limit)]
+        drafting = bool(self.policy.drafts and decoding and not self._skip_drafting(decoding))
+        flush = [s for s in active if s.backlog_rows and ((drafting and s.decoding)
+                                                          or s.backlog_rows >= self.backlog_limit)]
         flushed = self._flush_context(flush, failed)
         decoding = [s for s in decoding if s.slot not in failed]
-        draft_for = [s for s in decoding if s.slot in drafted]
-        drafts = self._draft(draft_for, flushed) if draft_for else None
+        drafts = self._draft(decoding, flushed) if drafting and decoding else None
         if drafts is not None:
-            failed.update(self._check_drafts(drafts, draft_for))
+            failed.update(self._check_drafts(drafts, decoding))
             decoding = [s for s in decoding if s.slot not in failed]
-        verify_lens, conf = self._schedule(decoding, drafts, drafted)
+        verify_lens, conf = self._schedule(decoding, drafts)
         segments = [Segment(s.slot, np.concatenate([[s.anchor], drafts["draft_ids"][s.slot, :verify_lens[s.slot]]])
                             if drafts else np.array([s.anchor]), s.start) for s in decoding]
         budget = self.max_tokens - sum(len(seg.token_ids) for seg in segments)
@@ -437,11 +436,8 @@ class Generator:
             rnd.commit = self._commit_rows(packed, out, keep, failed)
         return rnd
 
-    def _draft_set(self, decoding: list[_State]) -> list[_State]:
-        """Which decoding requests the drafter runs for this step: all of them; none (skip the drafter); or,
-        for a probe, the one with the fewest backlog rows.
-
-        dspark-async with a known drafter cost skips the drafter block when drafting does not pay: the
+    def _skip_drafting(self, decoding: list[_State]) -> bool:
+        """dspark-async with a known drafter cost: skip the drafter block when drafting does not pay: the
         capacity K* for the current R requests, each given the running mean survival of earlier
         drafted steps (averaged over their requests; `scheduler.mean_survival_capacity`), is 0.
 
@@ -456,12 +452,7 @@ class Generator:
 
         Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs
         for a probe of 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
-        mean restarts from them; the first estimate comes from such a probe too. A probe drafts for
-        ONE request, the one with the fewest rows waiting in its backlog, on a one-slot view of the
-        drafter cache (`_draft`): its cost is that request's context flush and the R = 1 drafter
-        block, not every request's flush and the R-request block (SmolLM2: d(1) = 4.5 ms against
-        d(16) = 30 ms; a flush of 16 prompts' backlogs is thousands of rows). The mean it feeds is
-        request-averaged over whichever requests drafted, so one request's probe stands for all. The interval doubles after each probe that ends in another skip
+        mean restarts from them. The interval doubles after each probe that ends in another skip
         (4, 8, ..., 64 steps) and drops back to 4 when drafting pays again. A skipped step runs no
         drafter block, and no drafter context unless a backlog reaches the largest context bucket:
         its committed rows wait in the request's backlog, which the next draft flushes first
@@ -469,33 +460,25 @@ class Generator:
         This is scheduling bookkeeping, not request state: a step retried after an engine error may
         count a skip twice, which only moves the next probe earlier.
         """
-        if not self.policy.drafts or not decoding:
-            return []
         if self.policy.name != "dspark-async" or self.profile is None or not self.profile.has_draft_cost:
-            return decoding
-        probe = [min(decoding, key=lambda s: (s.backlog_rows, s.slot))]
+            return False
         if self._probe_left > 0:
             self._probe_left -= 1
-            return probe
+            return False
         if self._skipped >= self._probe_interval:
             self._history, self._skipped, self._survival_n = [], 0, 0
             self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
             self._probe_left = _PROBE_STEPS - 1
-            self._probed_one = len(decoding) > 1
-            return probe
+            return False
         if self._survival_mean is None:
-            self._probe_left = _PROBE_STEPS - 1
-            self._probed_one = len(decoding) > 1
-            return probe
+            return False
         R = len(decoding)
         if mean_survival_capacity(np.broadcast_to(self._survival_mean, (R, self.block_size)), R, self.profile) > 0:
             self._probe_interval = _MIN_PROBE_INTERVAL
-            if self._probed_one:        # one request's probe said "draft": the first step over all of them
-                self._survival_n, self._probed_one = 0, False   # replaces its estimate (a lucky request
-            return decoding                                      # costs one step over all, not many)
+            return False
         self._skipped += 1
         self.drafts_skipped += 1
-        return []
+        return True
 
     def _apply(self, rnd: "_Round") -> None:
         """Commit a computed step: caches, prefill progress, tokens, failures."""
@@ -536,7 +519,7 @@ class Generator:
                 self._fail(s, rnd.failed[s.slot])
 
     def _observe_survival(self, rnd: "_Round") -> None:
-        """Fold a drafted step's request-averaged survival [γ] into the running mean (`_draft_set`)."""
+        """Fold a drafted step's request-averaged survival [γ] into the running mean (`_skip_drafting`)."""
         m = survival_probs(rnd.conf).mean(axis=0)
         self._survival_n += 1
         w = max(1.0 / self._survival_n, _SURVIVAL_EMA)
@@ -590,10 +573,9 @@ class Generator:
                                   f"next id {t}, vocab {self.vocab_size})")
         return failed
 
-    def _schedule(self, decoding: list[_State], drafts, drafted: set[int]) -> tuple[dict[int, int], np.ndarray | None]:
-        """Verify lengths ℓ per decoding slot, capped so a round never passes max_new_tokens or capacity
-        (0 for a request the drafter did not run for), and the confidences [R', γ] of the R' requests it
-        ran for (None without drafts): the dspark-async history and survival mean."""
+    def _schedule(self, decoding: list[_State], drafts) -> tuple[dict[int, int], np.ndarray | None]:
+        """Verify lengths ℓ per decoding slot, capped so a round never passes max_new_tokens or capacity,
+        and the confidences [R, γ] the policy saw (None without drafts)."""
         if not decoding:
             return {}, None
         slots = np.array([s.slot for s in decoding], np.int64)
@@ -603,12 +585,10 @@ class Generator:
                          for s in decoding], np.int64)
         if drafts is None:
             return {int(slot): 0 for slot in slots}, None
-        mine = np.isin(slots, np.array(sorted(drafted), np.int64))
-        caps = np.where(mine, caps, 0)
         conf = drafts["confidence"][slots]
         lag = self._history[0] if len(self._history) == 2 else None
         lens = self.policy.verify_lengths(conf, self.block_size, self.profile, lag, caps)
-        return {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}, conf[mine]
+        return {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}, conf
 
     def _emit(self, s: _State, tokens: list[int], rounds: int) -> None:
         """Append committed tokens in order, applying to each: stop ids, then stop strings, then
@@ -793,8 +773,6 @@ class Generator:
         backlog has been flushed, so its context covers every position before its anchor."""
         if self.drafter is not None:
             return self.drafter(self, active)
-        if len(active) == 1 and self.num_slots > 1:
-            return self._draft_one(active[0], flushed)
         anchors = np.zeros(self.num_slots, np.int64)
         starts = np.zeros(self.num_slots, np.int64)
         uniforms = np.zeros((self.num_slots, self.block_size), np.float32)
@@ -807,39 +785,12 @@ class Generator:
         feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": context_lens,
                 **self.draft_kv.feed("context_key", "context_value"), **self._sampling_feed(active),
                 "uniforms": uniforms, "confidence_temperature": self.sts}
-        return self._biased(self._infer(self.engines.runner("drafter_block", self.num_slots), feed))
-
-    def _draft_one(self, s: _State, flushed: dict[int, int]) -> dict[str, np.ndarray]:
-        """`_draft` for one request of several (a dspark-async probe): the R = 1 drafter block over a
-        one-slot view of the drafter cache ([1, kvH, C, D], zero-copy); its outputs land in the
-        request's row of [S, ...] arrays (other rows zero: never verified, `_schedule` caps them at 0).
-        The request's random stream advances exactly as in `_draft`."""
-        slot, kv = s.slot, self.draft_kv
-        t = s.params.temperature
-        feed = {"anchor_ids": np.array([s.anchor], np.int64), "start_positions": np.array([s.start], np.int64),
-                "context_lens": np.array([flushed.get(slot, int(kv.lens[slot]))], np.int64),
-                "temperature": np.array([t if t >= GREEDY_BELOW else 0.0], np.float32),
-                "top_k": np.array([s.params.top_k], np.int64), "top_p": np.array([s.params.top_p], np.float32),
-                "uniforms": s.rng.random(self.block_size, dtype=np.float32)[None],
-                "confidence_temperature": self.sts}
-        for layer in range(kv.num_layers):
-            feed[f"context_key.{layer}"] = kv.keys[layer][slot:slot + 1]
-            feed[f"context_value.{layer}"] = kv.values[layer][slot:slot + 1]
-        one = self._infer(self.engines.runner("drafter_block", 1), feed)
-        out = {}
-        for name, value in one.items():
-            full = np.zeros((self.num_slots,) + value.shape[1:], value.dtype)
-            full[slot] = value[0]
-            out[name] = full
-        return self._biased(out)
-
-    def _biased(self, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The drafter block's outputs with the calibration bias applied to `confidence`: σ(logit(c) + b)."""
-        if not self.confidence_bias.any():
-            return out
-        c = np.clip(np.asarray(out["confidence"], np.float64), 1e-7, 1 - 1e-7)   # NaN stays NaN (fault check)
-        z = np.log(c) - np.log1p(-c) + self.confidence_bias
-        return {**out, "confidence": (1.0 / (1.0 + np.exp(-z))).astype(np.float32)}
+        out = self._infer(self.engines.runner("drafter_block", self.num_slots), feed)
+        if self.confidence_bias.any():
+            c = np.clip(np.asarray(out["confidence"], np.float64), 1e-7, 1 - 1e-7)   # NaN stays NaN (fault check)
+            z = np.log(c) - np.log1p(-c) + self.confidence_bias
+            out = {**out, "confidence": (1.0 / (1.0 + np.exp(-z))).astype(np.float32)}
+        return out
 
     def _verify(self, states: list[_State], rows: dict[int, np.ndarray], drafts, verify_lens: dict[int, int],
                 failed: dict[int, str]):
