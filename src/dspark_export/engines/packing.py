@@ -8,7 +8,7 @@ K/V) are never read back. That makes them inert. A padding row takes its slot's 
 (a slot without a segment: its next position, cache_lens[slot]).
 
 Why spread: the graph pads every slot's query to the longest one (`pad_index` [S, Q]) and attends
-S × Q query rows over the cache, so Q should stay near N / S. Filling the shortest slots first gives
+S × Q query rows over the cache, so Q should stay near N / S. Filling every slot up to a common width gives
 Q = max(longest segment, ⌈N / S⌉). All padding on the last segment made Q as large as the padding:
 SmolLM2 on this CPU, S = 16, 17 real rows in bucket 32, cache capacity 512: 185 ms with Q = 16 against
 87 ms for 32 real rows with Q = 2 (one measurement each).
@@ -16,7 +16,7 @@ SmolLM2 on this CPU, S = 16, 17 real rows in bucket 32, cache capacity 512: 185 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,6 +44,7 @@ class PackedBatch:
         logit_start: {slot: first row of its logits in the `logits` output}.
         num_real_tokens: rows that are not padding.
         real_rows: [num_real_tokens] int64, the packed rows that are not padding, in order.
+        engines: {slot: the engine that computed its rows}, filled in by the runtime (for messages).
     """
 
     feed: dict[str, np.ndarray]
@@ -51,6 +52,7 @@ class PackedBatch:
     logit_start: dict[int, int]
     num_real_tokens: int
     real_rows: np.ndarray | None = None
+    engines: dict[int, str] = field(default_factory=dict)
 
 
 def pack_segments(segments: list[Segment], num_slots: int, cache_lens: np.ndarray, bucket: int) -> PackedBatch:
@@ -97,8 +99,9 @@ def pack_segments(segments: list[Segment], num_slots: int, cache_lens: np.ndarra
 
 
 def _spread_padding(lengths: np.ndarray, pad: int) -> np.ndarray:
-    """Per-slot query lengths [S] after adding `pad` padding rows, shortest slots first, so the longest is
-    max(max(lengths), ⌈(Σ lengths + pad) / S⌉); ties go to the lower slot."""
+    """Per-slot query lengths [S] after adding `pad` padding rows: every slot is filled up to the width
+    max(max(lengths), ⌈(Σ lengths + pad) / S⌉), in slot order, until the padding runs out; so no slot's
+    query grows past that width."""
     width = max(int(lengths.max()), -(-(int(lengths.sum()) + pad) // len(lengths)))
     room = width - lengths
     out = lengths.copy()

@@ -558,7 +558,8 @@ class Generator:
             m = q if seg.logits == "all" else int(seg.logits == "last")
             la = packed.logit_start.get(seg.slot, 0)
             if not (row_ok[a:a + q].all() and logit_ok[la:la + m].all()):
-                failed[seg.slot] = (f"engine {self._last_key.get('target', 'target')} returned non-finite "
+                engine = packed.engines.get(seg.slot) or self._last_key.get("target", "target")
+                failed[seg.slot] = (f"engine {engine} returned non-finite "
                                     f"outputs (logits, aux_hidden or K/V) for this request's rows at positions "
                                     f"{seg.start_position}..{seg.start_position + q - 1}")
         return failed
@@ -645,33 +646,40 @@ class Generator:
         """Run the step's segments through the target; returns (where each slot's rows and logits
         landed, the outputs), as one packed pass would.
 
-        A segment longer than a verification block (a prefill chunk) runs in a pass of its own over
-        its slot alone (a one-request view of the cache, zero-copy) whenever the cache has more than
-        one slot. Why: the graph's attention pads every slot's query to the longest one ([S, Q],
-        `pad_index`), so a 200-token chunk next to S decode rows costs S × 200 query rows of attention
-        over the whole cache. SmolLM2, this CPU, 200-token chunk at cache capacity 512 (one
-        measurement each): alone 482 ms; in one pass with 7 decode rows at S = 8 1,616 ms, at S = 16
-        2,906 ms; the decode rows on their own 55 ms. The price of the split is one more weight read
-        of the target per step that carries a prefill chunk.
+        When at most max(1, S // 4) segments are longer than a verification block (prefill chunks)
+        and the cache has S > 1 slots, each of them runs in a pass of its own over its slot alone (a
+        one-request view of the cache, zero-copy) and the rest share one pass. Why: the graph's
+        attention pads every slot's query to the longest one ([S, Q], `pad_index`), so a 200-token
+        chunk next to S decode rows costs S × 200 query rows of attention over the whole cache.
+        SmolLM2, this CPU, 200-token chunk at cache capacity 512 (one measurement each): alone 482 ms;
+        in one pass with 7 decode rows at S = 8 1,616 ms, at S = 16 2,906 ms; the decode rows on their
+        own 55 ms. Each split costs one more weight read of the target, so when many slots prefill
+        together (most of the S rows are long anyway) they stay in one pass: 8 chunks of 30 tokens at
+        S = 8 took 425 ms in one pass against 562 ms split (4 × 12 tokens at S = 4: 125 vs 175 ms).
+        Each slot's rows are reported with the engine that computed them (`PackedBatch.engines`).
         """
         for seg in segments:
             self.target_kv.reserve(int(self.target_kv.lens[seg.slot]) + len(seg.token_ids))
         S = self.num_slots
-        alone = [seg for seg in segments if S > 1 and len(seg.token_ids) > self.block_size + 1]
+        alone = [seg for seg in segments if len(seg.token_ids) > self.block_size + 1]
+        if S == 1 or len(alone) > max(1, S // 4):
+            alone = []
         apart = {id(seg) for seg in alone}
         shared = [seg for seg in segments if id(seg) not in apart]
         passes = [self._target_run(shared, None)] if shared else []
         passes += [self._target_run([seg], seg.slot) for seg in alone]
         if len(passes) == 1:
             return passes[0]
-        row_start, logit_start, outs, rows, logits = {}, {}, [], 0, 0
+        row_start, logit_start, engines, outs, rows, logits = {}, {}, {}, [], 0, 0
         for packed, out in passes:
             row_start.update({slot: a + rows for slot, a in packed.row_start.items()})
             logit_start.update({slot: a + logits for slot, a in packed.logit_start.items()})
+            engines.update(packed.engines)
             rows, logits = rows + out["aux_hidden"].shape[0], logits + out["logits"].shape[0]
             outs.append(out)
         merged = {name: np.concatenate([out[name] for out in outs]) for name in outs[0]}
-        return PackedBatch({}, row_start, logit_start, sum(p.num_real_tokens for p, _ in passes)), merged
+        return PackedBatch({}, row_start, logit_start, sum(p.num_real_tokens for p, _ in passes),
+                           engines=engines), merged
 
     def _target_run(self, segments: list[Segment], slot: int | None) -> tuple[PackedBatch, dict[str, np.ndarray]]:
         """One target pass: over every slot of the cache (slot None), or over `slot` alone (one segment;
@@ -680,6 +688,7 @@ class Generator:
         kv = self.target_kv
         if slot is None:
             packed = pack_segments(segments, self.num_slots, kv.lens, runner.key.bucket)
+            packed.engines = {seg.slot: str(runner.key.path) for seg in segments}
             return packed, self._infer(runner, {**packed.feed, **kv.feed("past_key", "past_value")})
         seg = segments[0]
         packed = pack_segments([Segment(0, seg.token_ids, seg.start_position, seg.logits)], 1,
@@ -691,7 +700,7 @@ class Generator:
         out = self._infer(runner, feed)
         return PackedBatch({}, {slot: packed.row_start[0]},
                            {slot: packed.logit_start[0]} if 0 in packed.logit_start else {},
-                           packed.num_real_tokens), out
+                           packed.num_real_tokens, engines={slot: str(runner.key.path)}), out
 
     def _commit_rows(self, packed, out: dict, keep: dict[int, int], failed: dict[int, str]) -> "_Commit":
         """The first keep[slot] rows of each slot's segment: their target K/V, and (when the policy
