@@ -44,6 +44,23 @@ def mk(rt, policy, **kw):
     return Generator(rt.engines, parse_policy(policy), **kw)
 
 
+def _one_slot_pass(gen, runner, feed) -> bool:
+    """Whether this engine call is a target pass over one slot of a several-slot cache (a split prefill)."""
+    return runner.key.graph == "target" and gen.num_slots > 1 and len(feed["cache_lens"]) == 1
+
+
+def _run_long(gen, infer, check: bool = True) -> int:
+    """Route the generator's engine calls through `infer`, submit the long prompt and run every request to
+    the end (checking the cache lengths after each step with `check`); returns the long request's id."""
+    gen._infer = infer
+    c = gen.submit(P["long"], SamplingParams(max_new_tokens=N["long"]))
+    while gen.has_work():
+        gen.step()
+        if check:
+            check_lengths(gen)
+    return c
+
+
 def count_passes(gen, log):
     real = gen._infer
 
@@ -109,7 +126,7 @@ def test_fault_in_one_slot_pass_fails_only_that_request(runtime, policy, where):
 
     def infer(runner, feed):
         out = real(runner, feed)
-        if runner.key.graph == "target" and gen.num_slots > 1 and len(feed["cache_lens"]) == 1:
+        if _one_slot_pass(gen, runner, feed):
             hit["seen"] = hit.get("seen", 0) + 1
             if where == "raise-always":
                 hit["n"] = 1
@@ -123,11 +140,7 @@ def test_fault_in_one_slot_pass_fails_only_that_request(runtime, policy, where):
             out[where] = out[where].copy()
             out[where][:] = np.nan
         return out
-    gen._infer = infer
-    c = gen.submit(P["long"], SamplingParams(max_new_tokens=N["long"]))
-    while gen.has_work():
-        gen.step()
-        check_lengths(gen)
+    c = _run_long(gen, infer)
     assert hit["n"] == 1
     rc = gen.result(c)
     assert rc.finish_reason == "error", (rc.finish_reason, rc.token_ids)
@@ -146,15 +159,12 @@ def test_nan_only_in_dummy_logit_row_of_none_chunk_is_ignored(runtime, policy): 
 
     def infer(runner, feed):
         out = real(runner, feed)
-        if runner.key.graph == "target" and len(feed["cache_lens"]) == 1 and gen.num_slots > 1 and not hit["n"]:
+        if _one_slot_pass(gen, runner, feed) and not hit["n"]:
             hit["n"] += 1
             out = dict(out)
             out["logits"] = np.full_like(out["logits"], np.nan)
         return out
-    gen._infer = infer
-    c = gen.submit(P["long"], SamplingParams(max_new_tokens=N["long"]))
-    while gen.has_work():
-        gen.step()
+    c = _run_long(gen, infer, check=False)
     assert hit["n"] == 1
     assert gen.result(c).token_ids == solo(runtime, "long"), gen.result(c).error
     assert gen.result(a).token_ids == solo(runtime, "short")
@@ -209,15 +219,11 @@ def test_transient_raise_in_one_slot_pass_is_retried(runtime, policy):  # noqa: 
     hit = {"n": 0}
 
     def infer(runner, feed):
-        if runner.key.graph == "target" and gen.num_slots > 1 and len(feed["cache_lens"]) == 1 and not hit["n"]:
+        if _one_slot_pass(gen, runner, feed) and not hit["n"]:
             hit["n"] = 1
             raise EngineRunError("injected")
         return real(runner, feed)
-    gen._infer = infer
-    c = gen.submit(P["long"], SamplingParams(max_new_tokens=N["long"]))
-    while gen.has_work():
-        gen.step()
-        check_lengths(gen)
+    c = _run_long(gen, infer)
     assert hit["n"] == 1
     assert gen.result(c).token_ids == solo(runtime, "long")
     assert gen.result(a).token_ids == solo(runtime, "short")

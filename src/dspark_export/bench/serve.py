@@ -408,41 +408,41 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
     solo_cache: dict[tuple[str, int], list[int]] = {}
     greedy = cfg.temperature == 0.0
 
+    def measure(text: str, c: int, prompts: list, tag: str) -> dict:
+        """One measured closed loop of policy `text` at C = c, with its greedy identity spot check."""
+        pol = policies[text]
+        if cfg.warmup:
+            Generator(engines, pol).generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, len(prompts)))
+        gen = Generator(engines, _timed(pol))
+        run = _closed_loop(gen, prompts, c, params)
+        row = _summarise(text, c, gen, run)
+        row["identical"], row["identity_checked"] = None, 0
+        if greedy and cfg.identity_checks:
+            same = []
+            for rid in run.completed[:cfg.identity_checks]:
+                rec = run.records[rid]
+                if rec.key not in solo_cache:
+                    solo_cache[rec.key] = solo.generate([rec.prompt], [params])[0].token_ids
+                same.append(gen.result(rid).token_ids == solo_cache[rec.key])
+            row["identical"], row["identity_checked"] = all(same), len(same)
+        say(f"{tag} throughput {row['throughput_tokens_per_s']:.1f} tok/s, per-user "
+            f"{row['per_user_tokens_per_s']:.1f} tok/s, verify {row['mean_verify_len']:.2f}, "
+            f"τ {row['acceptance_length']:.2f}, step {row['mean_step_ms']:.1f} ms "
+            f"(scheduler {row['scheduler_ms']:.3f} ms), identical {row['identical']}, "
+            f"{row['wall_s']:.1f} s")
+        return row
+
     runs: dict[tuple[str, int], list[dict]] = {}
     eta = Eta(len(policies) * len(cfg.concurrency) * cfg.repeats)
-    done = 0
     for c in cfg.concurrency:
         n = cfg.requests_for(c)
         prompts = source.first(n)
         for rep in range(cfg.repeats):
-            order = list(policies)
-            order = order[rep % len(order):] + order[:rep % len(order)]
+            order = list(policies)[rep % len(policies):] + list(policies)[:rep % len(policies)]
             for text in order:
-                pol = policies[text]
                 tag = f"[{text} C={c}" + (f" run {rep + 1}/{cfg.repeats}]" if cfg.repeats > 1 else "]")
-                say(f"{tag} {n} requests × {cfg.max_new_tokens} tokens (run {eta.text(done)})")
-                if cfg.warmup:
-                    Generator(engines, pol).generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, n))
-                gen = Generator(engines, _timed(pol))
-                run = _closed_loop(gen, prompts, c, params)
-                row = _summarise(text, c, gen, run)
-                if greedy and cfg.identity_checks:
-                    same = []
-                    for rid in run.completed[:cfg.identity_checks]:
-                        rec = run.records[rid]
-                        if rec.key not in solo_cache:
-                            solo_cache[rec.key] = solo.generate([rec.prompt], [params])[0].token_ids
-                        same.append(gen.result(rid).token_ids == solo_cache[rec.key])
-                    row["identical"], row["identity_checked"] = all(same), len(same)
-                else:
-                    row["identical"], row["identity_checked"] = None, 0
-                runs.setdefault((text, c), []).append(row)
-                done += 1
-                say(f"{tag} throughput {row['throughput_tokens_per_s']:.1f} tok/s, per-user "
-                    f"{row['per_user_tokens_per_s']:.1f} tok/s, verify {row['mean_verify_len']:.2f}, "
-                    f"τ {row['acceptance_length']:.2f}, step {row['mean_step_ms']:.1f} ms "
-                    f"(scheduler {row['scheduler_ms']:.3f} ms), identical {row['identical']}, "
-                    f"{row['wall_s']:.1f} s")
+                say(f"{tag} {n} requests × {cfg.max_new_tokens} tokens (run {eta.text(sum(map(len, runs.values())))})")
+                runs.setdefault((text, c), []).append(measure(text, c, prompts, tag))
     rows = [_combine(runs[(text, c)], runs.get(("ar", c))) for text in policies for c in cfg.concurrency]
 
     identity = {}

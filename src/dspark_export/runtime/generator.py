@@ -660,12 +660,10 @@ class Generator:
         """
         for seg in segments:
             self.target_kv.reserve(int(self.target_kv.lens[seg.slot]) + len(seg.token_ids))
-        S = self.num_slots
-        alone = [seg for seg in segments if len(seg.token_ids) > self.block_size + 1]
-        if S == 1 or len(alone) > max(1, S // 4):
-            alone = []
-        apart = {id(seg) for seg in alone}
-        shared = [seg for seg in segments if id(seg) not in apart]
+        long = [len(seg.token_ids) > self.block_size + 1 for seg in segments]
+        split = self.num_slots > 1 and sum(long) <= max(1, self.num_slots // 4)
+        alone = [seg for seg, is_long in zip(segments, long) if split and is_long]
+        shared = [seg for seg, is_long in zip(segments, long) if not (split and is_long)]
         passes = [self._target_run(shared, None)] if shared else []
         passes += [self._target_run([seg], seg.slot) for seg in alone]
         if len(passes) == 1:
@@ -693,11 +691,7 @@ class Generator:
         seg = segments[0]
         packed = pack_segments([Segment(0, seg.token_ids, seg.start_position, seg.logits)], 1,
                                kv.lens[slot:slot + 1], runner.key.bucket)
-        feed = dict(packed.feed)
-        for layer in range(kv.num_layers):
-            feed[f"past_key.{layer}"] = kv.keys[layer][slot:slot + 1]
-            feed[f"past_value.{layer}"] = kv.values[layer][slot:slot + 1]
-        out = self._infer(runner, feed)
+        out = self._infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", slot)})
         return PackedBatch({}, {slot: packed.row_start[0]},
                            {slot: packed.logit_start[0]} if 0 in packed.logit_start else {},
                            packed.num_real_tokens, engines={slot: str(runner.key.path)}), out

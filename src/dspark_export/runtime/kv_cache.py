@@ -107,10 +107,12 @@ class KVCache:
             lens[new] = self.lens[old]
         self.lens, self.num_slots = lens, num_slots
 
-    def feed(self, key_name: str, value_name: str) -> dict[str, np.ndarray]:
-        """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed."""
+    def feed(self, key_name: str, value_name: str, slot: int | None = None) -> dict[str, np.ndarray]:
+        """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed; with
+        `slot`, that slot alone as [1,kvH,C,D] views (contiguous, no copy)."""
+        rows = slice(None) if slot is None else slice(slot, slot + 1)
         feed = {}
         for layer in range(self.num_layers):
-            feed[f"{key_name}.{layer}"] = self.keys[layer]
-            feed[f"{value_name}.{layer}"] = self.values[layer]
+            feed[f"{key_name}.{layer}"] = self.keys[layer][rows]
+            feed[f"{value_name}.{layer}"] = self.values[layer][rows]
         return feed
