@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from dspark_export.errors import ProfileError
+from dspark_export.runtime import generator
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
@@ -62,7 +65,14 @@ def _solo(rt, prompt, n):
     return Generator(rt.engines, parse_policy("ar")).generate([prompt], [SamplingParams(max_new_tokens=n)])[0].token_ids
 
 
-def test_async_skips_the_drafter_and_probes_back(runtime):  # noqa: F811
+@pytest.fixture
+def every_probe(monkeypatch):
+    """No floor on the probe interval (`Generator._probe_floor` = 0): probes at 4, 8, 16, ... skipped steps
+    even with the 10 s drafters these tests use to force K* = 0."""
+    monkeypatch.setattr(generator, "_PROBE_OVERHEAD", math.inf)
+
+
+def test_async_skips_the_drafter_and_probes_back(runtime, every_probe):  # noqa: F811
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     # An expensive drafter: a step that verifies drafts cannot pay it back, so K* = 0 after two steps.
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
@@ -97,7 +107,7 @@ def _draft_feeds(gen):
     return feeds
 
 
-def test_skipped_steps_pay_no_drafter_cost_and_drafts_see_the_full_context(runtime):  # noqa: F811
+def test_skipped_steps_pay_no_drafter_cost_and_drafts_see_the_full_context(runtime, every_probe):  # noqa: F811
     """SD-20 with a lazy drafter context: a skipped step runs no drafter engine at all (its committed
     rows wait in the backlog), yet every draft reads a context that reaches its anchor, holding the
     same rows as a policy that drafts (and flushes) every step."""
@@ -293,3 +303,19 @@ def test_the_calibration_bias_reaches_the_policy(runtime):  # noqa: F811
     expected = 1 / (1 + np.exp(-(np.log(c / (1 - c)) + biased.confidence_bias)))
     np.testing.assert_allclose(seen["biased"][0], expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(seen["biased"][0], seen["plain"][0])
+
+
+def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F811
+    """⌈2 · d(R) · SPS(R) / 0.05⌉ skipped steps at least between probes; with a drafter that costs 400 target
+    steps, the drafter runs on the first decoding step and never again."""
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 16), draft_ms=(20.0, 90.0))
+    # R = 1: 2 × 20 ms × 40 steps/s / 0.05 = 32; R = 16: 2 × 90 ms × 16 / 0.05 = 57.6 → 58
+    assert gen._probe_floor(1) == 32 and gen._probe_floor(16) == 58
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
+    calls = []
+    real = gen._draft
+    gen._draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])[0]
+    assert result.token_ids == _solo(runtime, PROMPTS[0], 60)
+    assert len(calls) == 1 and gen.drafts_skipped == result.stats.rounds - 1

@@ -221,18 +221,12 @@ def _calibration(manifest: Manifest) -> dict:
            "calibrated": any(abs(t - 1.0) > 1e-9 for t in temps) or any(biases), "path": None,
            "method": None, "rounds": None, "ece_before": None, "ece_after": None, "mean_ece_before": None,
            "mean_ece_after": None, "reliability_bins": False}
-    rel = (manifest.data.get("calibration") or {}).get("path")
-    if rel:
-        path = manifest.path_of(rel, "calibration.path")
-        try:
-            cal = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EngineDirError(f"{path}: calibration: not readable JSON ({e})") from e
-        if not isinstance(cal, dict):
-            raise EngineDirError(f"{path}: calibration: expected a JSON object, found {type(cal).__name__}")
-        out.update(path=rel, method=cal.get("method"), rounds=cal.get("rounds"), ece_before=cal.get("ece_before"),
-                   ece_after=cal.get("ece_after"), mean_ece_before=cal.get("mean_ece_before"),
-                   mean_ece_after=cal.get("mean_ece_after"), reliability_bins=bool(cal.get("reliability")))
+    cal = manifest.calibration()
+    if cal is not None:
+        out.update(path=manifest.data["calibration"]["path"], method=cal.get("method"), rounds=cal.get("rounds"),
+                   ece_before=cal.get("ece_before"), ece_after=cal.get("ece_after"),
+                   mean_ece_before=cal.get("mean_ece_before"), mean_ece_after=cal.get("mean_ece_after"),
+                   reliability_bins=bool(cal.get("reliability")))
     return out
 
 

@@ -136,6 +136,26 @@ class Manifest:
     def runtime(self) -> dict:
         return self.data["runtime"]
 
+    def calibration(self) -> dict | None:
+        """The drafter's calibration.json that the directory keeps (`calibration.path`; written by
+        `scripts/train_drafter.py`, copied by `build`): STS temperatures, ECE, reliability bins. None when
+        the manifest records none.
+
+        Raises:
+            EngineDirError: the file is missing, not JSON, or not a JSON object.
+        """
+        rel = (self.data.get("calibration") or {}).get("path")
+        if not rel:
+            return None
+        path = self.path_of(rel, "calibration.path")
+        try:
+            cal = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EngineDirError(f"{path}: calibration: not readable JSON ({e})") from e
+        if not isinstance(cal, dict):
+            raise EngineDirError(f"{path}: calibration: expected a JSON object, found {type(cal).__name__}")
+        return cal
+
     # -- io ----------------------------------------------------------------------------------
     def record_files(self, rel_paths: list[str]) -> None:
         """List `rel_paths` in `files` with their size and sha256 (call before `save`)."""
