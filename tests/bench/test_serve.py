@@ -76,6 +76,7 @@ def test_result_keys_and_rows(bench):
         assert 0 < row["window_tokens"] <= row["output_tokens"] and row["window_s"] <= row["wall_s"]
         assert row["acceptance_length"] >= 1.0
     json.dumps(result)  # JSON-native throughout
+    assert result["warnings"] == []                         # default requests max(4, 2·C): no single-wave window
     assert len(lines) == 2 * len(result["results"])
     sequence = result["prompts"]["sequence"]                # round-robin over the datasets, each shuffled
     assert [s.split("#")[0] for s in sequence] == ["alpha", "beta"] * (len(sequence) // 2)
@@ -139,6 +140,8 @@ def test_repeats_interleave_policies_and_report_medians(engine_dir, datasets_dir
                        "[fixed:1 C=2 run 2/3]", "[dspark C=2 run 2/3]", "[ar C=2 run 2/3]",
                        "[dspark C=2 run 3/3]", "[ar C=2 run 3/3]", "[fixed:1 C=2 run 3/3]"]
     assert result["config"]["repeats"] == 3
+    assert len(result["warnings"]) == 1 and result["warnings"][0].startswith("C=2: 3 requests < 2·C")
+    assert "--requests 4" in result["warnings"][0] and lines[0] == f"warning: {result['warnings'][0]}"
     rows = {r["policy"]: r for r in result["results"]}
     assert list(rows) == ["ar", "fixed:1", "dspark"]
     for row in rows.values():

@@ -379,7 +379,8 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
         progress: called with one line of text per event (run start/end, identity check); None = quiet.
     Returns:
         {"config", "engine_dir", "profile_context", "block_size", "max_context", "drafter_trained",
-         "prompts", "identity", "results": [one row per (policy, C), see the module docstring]}.
+         "prompts", "identity", "warnings" (one line per C run with fewer than 2·C requests, whose steady
+         window is a single wave), "results": [one row per (policy, C), see the module docstring]}.
     Raises:
         ConfigError: a policy the engine directory cannot run, an unreadable dataset, no prompt that fits.
         EngineDirError: the engine directory does not load.
@@ -432,6 +433,12 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
             f"{row['wall_s']:.1f} s")
         return row
 
+    warnings = [f"C={c}: {cfg.requests_for(c)} requests < 2·C; the steady window ends at the first completion, "
+                f"so it holds one wave (its prefill and the decode steps before any request finishes) and "
+                f"rewards a policy that finishes no request early; use --requests {2 * c} or more"
+                for c in cfg.concurrency if cfg.requests_for(c) < 2 * c]
+    for line in warnings:
+        say(f"warning: {line}")
     runs: dict[tuple[str, int], list[dict]] = {}
     eta = Eta(len(policies) * len(cfg.concurrency) * cfg.repeats)
     for c in cfg.concurrency:
@@ -462,6 +469,7 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
         "prompts": {"sequence": [f"{name}#{k}" for name, k, _ in source.sequence],
                     "skipped_too_long": dict(source.skipped)},
         "identity": identity,
+        "warnings": warnings,
         "results": rows,
     }
 
@@ -505,7 +513,8 @@ def _markdown(result: dict) -> str:
         "τ: tokens committed per round incl. bonus; sched: time in Policy.verify_lengths per step",
         "- identity: the first completed requests of each run equal an `ar` solo run (greedy)",
         f"- repeats: {cfg.get('repeats', 1)} run(s) per row, policies interleaved at each C; numbers are medians "
-        "over the runs; ×ar: throughput / `ar`'s in the same repeat (median)", "",
+        "over the runs; ×ar: throughput / `ar`'s in the same repeat (median)",
+        *[f"- **warning**: {w}" for w in result.get("warnings", [])], "",
         markdown_table(result), ""])
 
 
