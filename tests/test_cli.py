@@ -49,6 +49,7 @@ def test_help_has_examples(argv, capsys):
     (["bench", "acceptance", "--engine-dir", "{tmp}/none"], "no such directory"),
     (["build", "--out", "{tmp}/file.txt"], "not a directory"),
     (["generate", "--engine-dir", "{tmp}", "--prompts-file", "{tmp}/missing.jsonl"], "prompts file not found"),
+    (["generate", "--engine-dir", "{tmp}/none", "--chat", "--prompt", ""], "--prompt: expected text, found an empty"),
 ])
 def test_failures_are_one_line_with_exit_2(argv, needle, tmp_path, capsys):
     (tmp_path / "file.txt").write_text("x")

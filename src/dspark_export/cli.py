@@ -18,6 +18,14 @@ from .errors import DsparkExportError, RequestError
 
 log = logging.getLogger("dspark_export")
 
+OVERVIEW_EXAMPLES = """examples (a typical session; `dspark-export COMMAND --help` shows each command's own):
+  dspark-export build --out engines/smollm2                       # the embedded default (SmolLM2-135M-Instruct)
+  dspark-export generate --engine-dir engines/smollm2 --chat --prompt "What is 12*7?"
+  dspark-export bench serve --engine-dir engines/smollm2 --concurrency 1,4 --json serve.json
+  dspark-export inspect engines/smollm2                           # what was built, and its integrity
+  dspark-export report engines/smollm2                            # HTML report: engines, SPS(B), calibration
+"""
+
 BUILD_EXAMPLES = """examples:
   dspark-export build --out engines/smollm2                       # the embedded default (SmolLM2-135M-Instruct)
   dspark-export build --target ./my-llama --drafter ./dspark-ckpt --out engines/mine
@@ -70,8 +78,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-export", description="DSpark speculative decoding as deployable engines.",
-                                epilog=BUILD_EXAMPLES + GENERATE_EXAMPLES + BENCH_EXAMPLES + PROFILE_EXAMPLES + REPORT_EXAMPLES
-                                + EXPORT_PROFILE_EXAMPLES + INSPECT_EXAMPLES + TRT_EXAMPLES,
+                                epilog=OVERVIEW_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -246,6 +253,8 @@ def _read_prompts(path: Path) -> list[tuple[str | None, str | None]]:
         prompt = obj.get("prompt") if isinstance(obj, dict) else None
         if not isinstance(prompt, str):
             out.append((None, f"{path}:{n}: expected a JSON object with a string 'prompt' field"))
+        elif not prompt:
+            out.append((prompt, f"{path}:{n}: 'prompt' is empty (expected text)"))
         else:
             out.append((prompt, None))
     if not out:
@@ -264,6 +273,8 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
     params.validate()
     parse_policy(args.policy)
+    if args.prompt == "":       # refused before the engines load (a chat template would wrap it into a prompt)
+        raise RequestError("--prompt: expected text, found an empty string")
     items = [(args.prompt, None)] if args.prompt is not None else _read_prompts(args.prompts_file)
     _progress(f"loading {args.engine_dir}")
     rt = Runtime.open(args.engine_dir, policy=args.policy, verify=not args.no_verify, backend=args.backend)

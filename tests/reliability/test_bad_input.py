@@ -257,15 +257,16 @@ def test_text_prompts_empty_and_special_only(rel_runtime):
 
 
 def test_prompts_file_with_invalid_utf8_and_bad_lines(rel_engine_dir, tmp_path, capsys):
-    """Invalid UTF-8, a truncated JSON line, a non-string prompt and an over-capacity prompt each fail
+    """Invalid UTF-8, a truncated JSON line, a non-string prompt, an over-capacity prompt and an empty one each fail
     on their own line (file:line named); the valid lines are generated, in order."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(b'{"prompt": "ab"}\n{"prompt": "caf\xc3"}\n{"prompt": "cd"\n{"prompt": 5}\n'
-                        b'{"prompt": "' + b"z" * 700 + b'"}\n{"prompt": "\xe2\x82\xac ok"}\n')
+                        b'{"prompt": "' + b"z" * 700 + b'"}\n{"prompt": "\xe2\x82\xac ok"}\n{"prompt": ""}\n')
     rc = cli_main(["generate", "--engine-dir", str(rel_engine_dir), "--prompts-file", str(prompts), "--json",
                    "--max-new-tokens", "6", "--policy", "fixed:4"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert rc == 1 and len(rows) == 6
+    assert rc == 1 and len(rows) == 7
+    assert rows[6]["finish_reason"] == "error" and "p.jsonl:7: 'prompt' is empty" in rows[6]["error"]
     assert [r["finish_reason"] for r in rows][1:5] == ["error"] * 4
     assert "p.jsonl:2: not valid UTF-8" in rows[1]["error"]
     assert "p.jsonl:3: expected a JSON object" in rows[2]["error"] and "p.jsonl:4:" in rows[3]["error"]
