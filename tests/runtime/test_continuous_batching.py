@@ -76,8 +76,8 @@ def test_invalid_request_fails_at_submit_without_touching_others(runtime):  # no
 
 @pytest.mark.parametrize("policy", ["ar", "fixed:4"])
 def test_a_prefill_chunk_next_to_decode_rows_runs_over_its_slot_alone(runtime, policy):  # noqa: F811
-    """A prompt arriving while others decode is prefilled in a target pass over a one-slot view of the cache
-    (its query would otherwise pad every slot's); decode and verification rows stay in the shared pass, and
+    """A prompt arriving while others decode is prefilled in a target pass over its slot of the cache alone
+    (its query would otherwise pad every slot's), trimmed to the slot's valid entries; decode and verification rows stay in the shared pass, and
     every request still equals its solo run."""
     gen = Generator(runtime.engines, parse_policy(policy))
     passes = []
@@ -103,7 +103,9 @@ def test_a_prefill_chunk_next_to_decode_rows_runs_over_its_slot_alone(runtime, p
     assert shared[1] == shared[2] == slots and alone[1] == alone[2] == 1
     assert alone[3][:len(long_prompt)].tolist() == long_prompt      # the whole chunk, in the one-slot pass
     cache = gen.target_kv.keys[0]
-    assert np.shares_memory(alone[4], cache) and np.shares_memory(shared[4], cache)   # views, no copies
+    assert np.shares_memory(shared[4], cache)                                          # a view, no copy
+    # the slot alone, trimmed to its valid entries (0 here) rounded up to 64: a copy, not the whole capacity
+    assert not np.shares_memory(alone[4], cache) and alone[4].shape[2] == min(64, gen.target_kv.capacity)
     while gen.has_work():
         gen.step()
     for rid, prompt, n in ((first, PROMPTS[0], 16), (second, PROMPTS[1], 16), (third, long_prompt, 10)):

@@ -662,9 +662,11 @@ class Generator:
         """Run the step's segments through the target; returns (where each slot's rows and logits
         landed, the outputs), as one packed pass would.
 
-        When at most max(1, S // 4) segments are longer than a verification block (prefill chunks)
-        and the cache has S > 1 slots, each of them runs in a pass of its own over its slot alone (a
-        one-request view of the cache, zero-copy) and the rest share one pass. Why: the graph's
+        When at most max(1, S // 4) segments are longer than a verification block (prefill chunks),
+        each of them runs in a pass of its own over its slot alone and the rest share one pass. That
+        slot's cache is trimmed to its valid entries rounded up to 64 (`KVCache.feed(trim=True)`, a
+        copy of one slot), because attention runs over every entry of the buffer: a 170-token chunk at
+        position 0 took 552 ms over capacity 512 and 392 ms over 64 entries. Why split: the graph's
         attention pads every slot's query to the longest one ([S, Q], `pad_index`), so a 200-token
         chunk next to S decode rows costs S × 200 query rows of attention over the whole cache.
         SmolLM2, this CPU, 200-token chunk at cache capacity 512 (one measurement each): alone 482 ms;
@@ -677,7 +679,7 @@ class Generator:
         for seg in segments:
             self.target_kv.reserve(int(self.target_kv.lens[seg.slot]) + len(seg.token_ids))
         long = [len(seg.token_ids) > self.block_size + 1 for seg in segments]
-        split = self.num_slots > 1 and sum(long) <= max(1, self.num_slots // 4)
+        split = sum(long) <= max(1, self.num_slots // 4)
         alone = [seg for seg, is_long in zip(segments, long) if split and is_long]
         shared = [seg for seg, is_long in zip(segments, long) if not (split and is_long)]
         passes = [self._target_run(shared, None)] if shared else []
@@ -707,7 +709,7 @@ class Generator:
         seg = segments[0]
         packed = pack_segments([Segment(0, seg.token_ids, seg.start_position, seg.logits)], 1,
                                kv.lens[slot:slot + 1], runner.key.bucket)
-        out = self._infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", slot)})
+        out = self._infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", slot, trim=True)})
         return PackedBatch({}, {slot: packed.row_start[0]},
                            {slot: packed.logit_start[0]} if 0 in packed.logit_start else {},
                            packed.num_real_tokens, engines={slot: str(runner.key.path)}), out

@@ -107,12 +107,25 @@ class KVCache:
             lens[new] = self.lens[old]
         self.lens, self.num_slots = lens, num_slots
 
-    def feed(self, key_name: str, value_name: str, slot: int | None = None) -> dict[str, np.ndarray]:
+    def feed(self, key_name: str, value_name: str, slot: int | None = None,
+             trim: bool = False) -> dict[str, np.ndarray]:
         """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed; with
-        `slot`, that slot alone as [1,kvH,C,D] views (contiguous, no copy)."""
-        rows = slice(None) if slot is None else slice(slot, slot + 1)
+        `slot`, that slot alone as [1,kvH,C,D] views (contiguous, no copy).
+
+        With `slot` and `trim`, that slot's first P = min(C, ⌈max(lens[slot], 1) / 64⌉ · 64) entries
+        only, as [1,kvH,P,D] contiguous copies: the engines attend over every entry of the buffer (masking
+        those ≥ lens), so a long query block (a prefill chunk) costs less over a trimmed cache than over the
+        whole capacity. SmolLM2, one-slot target passes, capacity 512, 2 CPU cores: a 170-token chunk at
+        position 0 552 → 392 ms, 128 tokens at 100 216 → 187 ms, 64 at 200 111 → 101 ms; the copies
+        took 1-7 ms."""
+        if slot is None:
+            rows, cols = slice(None), slice(None)
+        else:
+            rows = slice(slot, slot + 1)
+            cols = slice(0, min(self.capacity, -(-max(int(self.lens[slot]), 1) // 64) * 64)) if trim else slice(None)
         feed = {}
         for layer in range(self.num_layers):
-            feed[f"{key_name}.{layer}"] = self.keys[layer][rows]
-            feed[f"{value_name}.{layer}"] = self.values[layer][rows]
+            k, v = self.keys[layer][rows, :, cols], self.values[layer][rows, :, cols]
+            feed[f"{key_name}.{layer}"] = np.ascontiguousarray(k) if trim else k
+            feed[f"{value_name}.{layer}"] = np.ascontiguousarray(v) if trim else v
         return feed
