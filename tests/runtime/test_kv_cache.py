@@ -36,3 +36,23 @@ def test_capacity_limit():
     with pytest.raises(ValueError, match="capacity 4"):
         cache.append(np.zeros(5, np.int64), k, v)
 
+
+
+def test_feed_trims_one_slot_to_its_valid_entries_rounded_up_to_64():
+    cache = KVCache(2, 3, 2, 3, max_capacity=512, initial_capacity=256)
+    k, v = _rows(70)
+    cache.append(np.full(70, 1, np.int64), k, v)                      # slot 1: 70 valid entries
+    full = cache.feed("k", "v")
+    assert full["k.0"].shape == (3, 2, 256, 3) and np.shares_memory(full["k.0"], cache.keys[0])
+    view = cache.feed("k", "v", slot=1)
+    assert view["v.1"].shape == (1, 2, 256, 3) and np.shares_memory(view["v.1"], cache.values[1])
+    trimmed = cache.feed("k", "v", slot=1, trim=True)
+    assert set(trimmed) == set(full)
+    for name, buf in [("k.0", cache.keys[0]), ("v.1", cache.values[1])]:
+        t = trimmed[name]
+        assert t.shape == (1, 2, 128, 3) and t.flags.c_contiguous and not np.shares_memory(t, buf)
+        np.testing.assert_array_equal(t[0], buf[1, :, :128])         # the valid 70 rows and padding to 128
+    assert cache.feed("k", "v", slot=0, trim=True)["k.0"].shape == (1, 2, 64, 3)   # empty slot: 64
+    small = KVCache(2, 1, 2, 3, max_capacity=96, initial_capacity=96)
+    small.append(np.zeros(70, np.int64), k, v)                       # ⌈70/64⌉·64 = 128 > capacity 96
+    assert small.feed("k", "v", slot=0, trim=True)["k.1"].shape == (1, 2, 96, 3)

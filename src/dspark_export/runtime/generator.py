@@ -666,7 +666,7 @@ class Generator:
         each of them runs in a pass of its own over its slot alone and the rest share one pass. That
         slot's cache is trimmed to its valid entries rounded up to 64 (`KVCache.feed(trim=True)`, a
         copy of one slot), because attention runs over every entry of the buffer: a 170-token chunk at
-        position 0 took 552 ms over capacity 512 and 392 ms over 64 entries. Why split: the graph's
+        position 0 took 552 ms over capacity 512 and 392 ms over 192 entries. Why split: the graph's
         attention pads every slot's query to the longest one ([S, Q], `pad_index`), so a 200-token
         chunk next to S decode rows costs S × 200 query rows of attention over the whole cache.
         SmolLM2, this CPU, 200-token chunk at cache capacity 512 (one measurement each): alone 482 ms;
