@@ -4,7 +4,7 @@ dspark-export and by what a user would otherwise run, measured in one run on one
 Systems (each skipped with a reason when it cannot run here):
 
 - ``ar``: dspark-export, autoregressive (the baseline every ratio is taken against);
-- ``dspark``: dspark-export with each of `policies` (default dspark, fixed:2, fixed:4); the best of them is
+- ``dspark``: dspark-export with each of `policies` (default dspark, dspark-async, fixed:2, fixed:4); the best of them is
   reported as "DSpark (best)";
 - ``onnxruntime-genai``: its model builder (``python -m onnxruntime_genai.models.builder -p fp32 -e cpu``)
   run once on the same transformers folder the engine directory was built from, cached under
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PeersBenchConfig", "run_peers_bench", "markdown_table", "write_reports", "SYSTEMS", "DEFAULT_DATASETS"]
 
 SYSTEMS = ("ar", "dspark", "onnxruntime-genai", "transformers", "transformers-pld")
-DEFAULT_POLICIES = ("dspark", "fixed:2", "fixed:4")
+DEFAULT_POLICIES = ("dspark", "dspark-async", "fixed:2", "fixed:4")
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 WARMUP_TOKENS = 4
 
