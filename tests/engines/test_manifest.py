@@ -114,3 +114,23 @@ def test_replace_folder_refuses_bad_targets(tmp_path, rel, files, match):
     with pytest.raises(EngineDirError, match=match):
         m.replace_folder(rel, files)
     assert (tmp_path / "manifest.json").read_bytes() == before
+
+
+def test_calibration_file_and_its_errors(tmp_path):
+    m = _make(tmp_path)
+    assert m.calibration() is None                                        # none recorded
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "calibration.json").write_text(json.dumps({"method": "sts", "rounds": 3}))
+    m.data["calibration"] = {"path": "drafter/calibration.json", "method": "sts"}
+    assert m.calibration() == {"method": "sts", "rounds": 3}
+    for entry, match in [("drafter/calibration.json", r"manifest.json: calibration: expected an object with a string 'path'"),
+                         ({"path": 5}, "expected an object with a string 'path'"),
+                         ({"path": "../outside.json"}, "calibration.path"),
+                         ({"path": "drafter/missing.json"}, "missing.json: calibration: not readable JSON")]:
+        m.data["calibration"] = entry
+        with pytest.raises(EngineDirError, match=match):
+            m.calibration()
+    (tmp_path / "drafter" / "calibration.json").write_text("[1, 2]")
+    m.data["calibration"] = {"path": "drafter/calibration.json"}
+    with pytest.raises(EngineDirError, match="expected a JSON object, found list"):
+        m.calibration()

@@ -169,6 +169,10 @@ def test_mean_survival_capacity_worked_example():
     p = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
     hi, lo = np.cumprod(np.full((1, 4), 0.95), axis=1), np.cumprod(np.full((1, 4), 0.05), axis=1)
     assert mean_survival_capacity((hi + lo) / 2, 1, p) == 3
+    # Θ_3 / Θ_0 = 47.7 / 40 = 1.19: kept with a 15 % margin, not with the runtime's 20 %
+    assert mean_survival_capacity((hi + lo) / 2, 1, p, margin=0.15) == 3
+    assert mean_survival_capacity((hi + lo) / 2, 1, p, margin=generator._SKIP_MARGIN) == 0
+    assert mean_survival_capacity(hi, 1, p, margin=generator._SKIP_MARGIN) == 4      # a clear win stays
     assert mean_survival_capacity(lo, 1, p) == 0 and dspark_async_capacity(np.full((1, 4), 0.05, np.float32), 1, p) == 0
     assert mean_survival_capacity(hi, 1, p) == 4
     # per request, not averaged: one good request among three poor ones is worth drafting for
@@ -194,9 +198,11 @@ class _AlternatingConfidence:
         return out
 
 
-def test_async_skip_follows_the_mean_not_one_unlucky_step(runtime):  # noqa: F811
+def test_async_skip_follows_the_mean_not_one_unlucky_step(runtime, monkeypatch):  # noqa: F811
     """Confidences alternating between 0.95 and 0.05: drafting pays on average (K* = 3 on the mean, see
-    the worked example), so dspark-async keeps drafting, though every other step alone says K* = 0."""
+    the worked example), so dspark-async keeps drafting, though every other step alone says K* = 0.
+    (Without the skip margin: that average gain is 19 %, under the runtime's 20 %.)"""
+    monkeypatch.setattr(generator, "_SKIP_MARGIN", 0.0)
     drafter = _AlternatingConfidence()
     gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
@@ -238,9 +244,11 @@ def test_async_skip_is_not_kept_on_by_lucky_requests(runtime):  # noqa: F811
         assert gen.result(rid).token_ids == _solo(runtime, p, 40)
 
 
-def test_a_probe_restarts_the_estimate(runtime):  # noqa: F811
+def test_a_probe_restarts_the_estimate(runtime, monkeypatch):  # noqa: F811
     """Confidence 0.05 for the first drafts, then 0.95: the first probe after the change switches the
-    drafter back on (the probe's own survivals, not a mean still dominated by the old ones)."""
+    drafter back on (the probe's own survivals, not a mean still dominated by the old ones). Without the
+    skip margin: the probe's mean of one 0.05 step and one 0.95 step gains 19 %, under the runtime's 20 %."""
+    monkeypatch.setattr(generator, "_SKIP_MARGIN", 0.0)
     drafter = _ScriptedConfidence(lambda call, s: 0.05 if call < 2 else 0.95)
     gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
@@ -312,6 +320,9 @@ def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F81
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 16), draft_ms=(20.0, 90.0))
     # R = 1: 2 × 20 ms × 40 steps/s / 0.05 = 32; R = 16: 2 × 90 ms × 16 / 0.05 = 57.6 → 58
     assert gen._probe_floor(1) == 32 and gen._probe_floor(16) == 58
+    gen.profile = ThroughputProfile((1, 2), (1e300, 1e300), draft_requests=(1,), draft_ms=(1e300,))
+    assert gen._probe_floor(1) == generator._FLOOR_CAP                  # finite however absurd the profile
+    assert gen._probe_floor(4) == generator._MAX_PROBE_INTERVAL          # past the largest bucket: SPS 0
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     calls = []
     real = gen._draft

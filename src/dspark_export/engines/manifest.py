@@ -142,12 +142,16 @@ class Manifest:
         the manifest records none.
 
         Raises:
-            EngineDirError: the file is missing, not JSON, or not a JSON object.
+            EngineDirError: the manifest's `calibration` entry is malformed, or the file is missing, not JSON,
+                or not a JSON object.
         """
-        rel = (self.data.get("calibration") or {}).get("path")
-        if not rel:
+        entry = self.data.get("calibration")
+        if not entry:
             return None
-        path = self.path_of(rel, "calibration.path")
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise EngineDirError(f"{self.root / MANIFEST_NAME}: calibration: expected an object with a string "
+                                 f"'path', found {entry!r:.80}")
+        path = self.path_of(entry["path"], "calibration.path")
         try:
             cal = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:

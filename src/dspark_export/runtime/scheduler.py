@@ -337,7 +337,8 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
     return top_k_lengths(order, a.shape[0], k)
 
 
-def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
+def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile: ThroughputProfile,
+                           margin: float = 0.0) -> int:
     """K* = argmax_K Θ(K) over the ranked survivals of R requests (no early stop, K = 0 priced without
     the drafter, as `dspark_async_capacity`), given each request's expected survival curve: whether
     drafting pays for the current requests.
@@ -356,6 +357,8 @@ def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile
         mean_survival: [R, γ] float64, each row non-increasing, in [0, 1].
         num_requests: R, the requests of the current step (the rows).
         profile: SPS(B), with d(R) where known.
+        margin: K* counts only if Θ(K*) ≥ (1 + margin) · Θ(0); otherwise 0 (a hedge against a cost
+            model or confidences that favour drafting; the runtime passes 0.2). Defaults to 0.
     Returns:
         K* ≥ 0.
     Raises:
@@ -364,7 +367,12 @@ def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile
     a = np.asarray(mean_survival, np.float64)
     if a.ndim != 2 or a.shape[0] != num_requests or not np.all((a >= 0) & (a <= 1)):
         raise ValueError(f"mean_survival: expected [R={num_requests}, γ] values in [0, 1], found shape {a.shape}")
-    return _skippable_capacity(a, num_requests, profile)
+    if margin <= 0:
+        return _skippable_capacity(a, num_requests, profile)
+    ranked = np.sort(a.ravel())[::-1]
+    theta = _throughputs(ranked[ranked > 0], num_requests, profile, draft_at_zero=False)
+    k = int(np.argmax(theta))
+    return k if theta[k] >= (1.0 + margin) * theta[0] else 0
 
 
 def _skippable_capacity(survival: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
