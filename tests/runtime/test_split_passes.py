@@ -61,6 +61,27 @@ def _run_long(gen, infer, check: bool = True) -> int:
     return c
 
 
+def _short_decoding(rt, policy):
+    """A 4-slot generator whose "short" request has taken its first step; returns (generator, its id)."""
+    gen = mk(rt, policy, max_slots=4)
+    rid = gen.submit(P["short"], SamplingParams(max_new_tokens=N["short"]))
+    gen.step()
+    return gen, rid
+
+
+def _on_first_one_slot_pass(gen, change):
+    """An `_infer` for `gen` that calls change(real_infer, runner, feed) in place of the engine on the first
+    one-slot target pass only; returns (infer, hit), hit["n"] counting those calls."""
+    real, hit = gen._infer, {"n": 0}
+
+    def infer(runner, feed):
+        if _one_slot_pass(gen, runner, feed) and not hit["n"]:
+            hit["n"] += 1
+            return change(real, runner, feed)
+        return real(runner, feed)
+    return infer, hit
+
+
 def count_passes(gen, log):
     real = gen._infer
 
@@ -151,19 +172,12 @@ def test_fault_in_one_slot_pass_fails_only_that_request(runtime, policy, where):
 @pytest.mark.parametrize("policy", ["ar", "fixed:4"])
 def test_nan_only_in_dummy_logit_row_of_none_chunk_is_ignored(runtime, policy):  # noqa: F811
     """A non-final prefill chunk (logits='none') returns one dummy logit row; NaN there must not fail it."""
-    gen = mk(runtime, policy, max_slots=4)
-    a = gen.submit(P["short"], SamplingParams(max_new_tokens=N["short"]))
-    gen.step()
-    real = gen._infer
-    hit = {"n": 0}
-
-    def infer(runner, feed):
-        out = real(runner, feed)
-        if _one_slot_pass(gen, runner, feed) and not hit["n"]:
-            hit["n"] += 1
-            out = dict(out)
-            out["logits"] = np.full_like(out["logits"], np.nan)
+    def nan_logits(real, runner, feed):
+        out = dict(real(runner, feed))
+        out["logits"] = np.full_like(out["logits"], np.nan)
         return out
+    gen, a = _short_decoding(runtime, policy)
+    infer, hit = _on_first_one_slot_pass(gen, nan_logits)
     c = _run_long(gen, infer, check=False)
     assert hit["n"] == 1
     assert gen.result(c).token_ids == solo(runtime, "long"), gen.result(c).error
@@ -212,17 +226,10 @@ def test_seeded_sampling_batch_equals_solo(runtime, policy):  # noqa: F811
 
 @pytest.mark.parametrize("policy", ["ar", "fixed:4"])
 def test_transient_raise_in_one_slot_pass_is_retried(runtime, policy):  # noqa: F811
-    gen = mk(runtime, policy, max_slots=4)
-    a = gen.submit(P["short"], SamplingParams(max_new_tokens=N["short"]))
-    gen.step()
-    real = gen._infer
-    hit = {"n": 0}
-
-    def infer(runner, feed):
-        if _one_slot_pass(gen, runner, feed) and not hit["n"]:
-            hit["n"] = 1
-            raise EngineRunError("injected")
-        return real(runner, feed)
+    def raise_once(real, runner, feed):
+        raise EngineRunError("injected")
+    gen, a = _short_decoding(runtime, policy)
+    infer, hit = _on_first_one_slot_pass(gen, raise_once)
     c = _run_long(gen, infer)
     assert hit["n"] == 1
     assert gen.result(c).token_ids == solo(runtime, "long")

@@ -104,10 +104,5 @@ def _spread_padding(lengths: np.ndarray, pad: int) -> np.ndarray:
     query grows past that width."""
     width = max(int(lengths.max()), -(-(int(lengths.sum()) + pad) // len(lengths)))
     room = width - lengths
-    out = lengths.copy()
-    left = pad
-    for slot in range(len(lengths)):
-        take = min(int(room[slot]), left)
-        out[slot] += take
-        left -= take
-    return out
+    before = np.cumsum(room) - room                   # room in the slots before each one
+    return lengths + np.clip(pad - before, 0, room)

@@ -47,8 +47,8 @@ _MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps 
 _SURVIVAL_EMA = 0.25   # dspark-async skip decision: least weight of the newest drafted step in the mean
 _PROBE_STEPS = 2       # dspark-async: drafted steps per probe (the mean restarts from them)
 _SKIP_MARGIN = 0.2     # dspark-async: draft only when the expected throughput gain is at least this fraction
-_PROBE_OVERHEAD = 0.05
-_FLOOR_CAP = 10**6     # the most skipped steps `_probe_floor` asks for  # dspark-async: probes' drafter time, at most this fraction of the skipped steps' time
+_PROBE_OVERHEAD = 0.05  # dspark-async: probes' drafter time, at most this fraction of the skipped steps' time
+_FLOOR_CAP = 10**6     # the most skipped steps `_probe_floor` asks for
 
 
 def _load_profile(engines: EngineSet) -> ThroughputProfile:
@@ -714,7 +714,8 @@ class Generator:
 
     def _target_run(self, segments: list[Segment], slot: int | None) -> tuple[PackedBatch, dict[str, np.ndarray]]:
         """One target pass: over every slot of the cache (slot None), or over `slot` alone (one segment;
-        the pass sees a [1, kvH, C, D] view of that slot's cache, and its rows are reported under `slot`)."""
+        the pass sees that slot's cache trimmed to its valid entries, [1, kvH, P, D], and its rows are
+        reported under `slot`)."""
         runner = self.engines.runner("target", sum(len(seg.token_ids) for seg in segments))
         kv = self.target_kv
         if slot is None:

@@ -367,19 +367,17 @@ def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile
     a = np.asarray(mean_survival, np.float64)
     if a.ndim != 2 or a.shape[0] != num_requests or not np.all((a >= 0) & (a <= 1)):
         raise ValueError(f"mean_survival: expected [R={num_requests}, γ] values in [0, 1], found shape {a.shape}")
-    if margin <= 0:
-        return _skippable_capacity(a, num_requests, profile)
-    ranked = np.sort(a.ravel())[::-1]
+    return _skippable_capacity(a, num_requests, profile, margin)
+
+
+def _skippable_capacity(survival: np.ndarray, num_requests: int, profile: ThroughputProfile,
+                        margin: float = 0.0) -> int:
+    """K* = argmax_K Θ(K) over every survival of `survival` ranked together, no early stop, K = 0 priced
+    without the drafter (a step that verifies nothing need not draft); 0 unless Θ(K*) ≥ (1 + margin) Θ(0)."""
+    ranked = np.sort(survival.ravel())[::-1]
     theta = _throughputs(ranked[ranked > 0], num_requests, profile, draft_at_zero=False)
     k = int(np.argmax(theta))
     return k if theta[k] >= (1.0 + margin) * theta[0] else 0
-
-
-def _skippable_capacity(survival: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
-    """K* = argmax_K Θ(K) over every survival of `survival` ranked together, no early stop, K = 0 priced
-    without the drafter (a step that verifies nothing need not draft)."""
-    ranked = np.sort(survival.ravel())[::-1]
-    return search_capacity(ranked[ranked > 0], num_requests, profile, early_stop=False, draft_at_zero=False)
 
 
 def dspark_async_capacity(lagged_confidence: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
