@@ -183,6 +183,13 @@ def test_mean_survival_capacity_worked_example():
     for bad in (np.array([[1.5]]), np.zeros(4), np.zeros((2, 4))):
         with pytest.raises(ValueError, match="mean_survival"):
             mean_survival_capacity(bad, 1, p)
+    # the drafter block runs over every slot: one decoding request among 16 slots pays d(16), not d(1).
+    # Θ_4 = (1 + 3.52) / (1/20 + 0.01) = 75.4 > Θ_0 = 40 at d(1); (1 + 3.52) / (1/20 + 0.09) = 32.3 at d(16)
+    p16 = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1, 16), draft_ms=(10.0, 90.0))
+    assert mean_survival_capacity(hi, 1, p16) == 4 and mean_survival_capacity(hi, 1, p16, draft_slots=1) == 4
+    assert mean_survival_capacity(hi, 1, p16, draft_slots=16) == 0
+    with pytest.raises(ValueError, match="draft_slots: expected at least R = 4, found 2"):
+        mean_survival_capacity(four, 4, p4, draft_slots=2)
 
 
 class _AlternatingConfidence:
@@ -314,15 +321,17 @@ def test_the_calibration_bias_reaches_the_policy(runtime):  # noqa: F811
 
 
 def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F811
-    """⌈2 · d(R) · SPS(R) / 0.05⌉ skipped steps at least between probes; with a drafter that costs 400 target
-    steps, the drafter runs on the first decoding step and never again."""
+    """⌈2 · d(S) · SPS(R) / 0.05⌉ skipped steps at least between probes of R requests in S slots; with a
+    drafter that costs 400 target steps, the drafter runs on the first decoding step and never again."""
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 16), draft_ms=(20.0, 90.0))
-    # R = 1: 2 × 20 ms × 40 steps/s / 0.05 = 32; R = 16: 2 × 90 ms × 16 / 0.05 = 57.6 → 58
-    assert gen._probe_floor(1) == 32 and gen._probe_floor(16) == 58
+    # R = S = 1: 2 × 20 ms × 40 steps/s / 0.05 = 32; R = S = 16: 2 × 90 ms × 16 / 0.05 = 57.6 → 58
+    assert gen._probe_floor(1, 1) == 32 and gen._probe_floor(16, 16) == 58
+    # R = 1 in 16 slots: the block runs over all 16 (d = 90 ms) while a skipped step is SPS(1)'s: 144
+    assert gen._probe_floor(1, 16) == 144
     gen.profile = ThroughputProfile((1, 2), (1e300, 1e300), draft_requests=(1,), draft_ms=(1e300,))
-    assert gen._probe_floor(1) == generator._FLOOR_CAP                  # finite however absurd the profile
-    assert gen._probe_floor(4) == generator._MAX_PROBE_INTERVAL          # past the largest bucket: SPS 0
+    assert gen._probe_floor(1, 1) == generator._FLOOR_CAP               # finite however absurd the profile
+    assert gen._probe_floor(4, 4) == generator._MAX_PROBE_INTERVAL       # past the largest bucket: SPS 0
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     calls = []
     real = gen._draft
@@ -330,3 +339,24 @@ def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F81
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])[0]
     assert result.token_ids == _solo(runtime, PROMPTS[0], 60)
     assert len(calls) == 1 and gen.drafts_skipped == result.stats.rounds - 1
+
+
+def test_async_prices_the_drafter_over_every_slot_while_others_prefill(runtime):  # noqa: F811
+    """One, then two requests decode while 85-token prompts prefill (64-token steps) in 4 slots: the
+    drafter block runs over all 4 slots, so the skip rule prices d(4) (10 s here), not d(R) (10 µs), and
+    drafts only on the first decoding step (no running mean yet). Priced at d(R) it drafted at R = 2."""
+    drafter = _ScriptedConfidence(lambda call, s: 0.95)
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 2, 4), draft_ms=(0.01, 0.01, 1e4))
+    prompts = [PROMPTS[0]] + [[3 + (5 * i + k) % 150 for i in range(85)] for k in range(3)]
+    ids = [gen.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+    ramp = []                                  # per step while others prefill: (decoding requests, drafted)
+    while gen.has_work():
+        decoding = sum(s is not None and s.decoding for s in gen._slots)
+        before = drafter.calls
+        gen.step()
+        if 0 < decoding < len(prompts) and gen.num_slots == 4:
+            ramp.append((decoding, drafter.calls - before))
+    assert len(ramp) >= 2 and [d for _, d in ramp] == [1] + [0] * (len(ramp) - 1), ramp
+    for rid, prompt in zip(ids, prompts):
+        assert gen.result(rid).token_ids == _solo(runtime, prompt, 8)

@@ -56,3 +56,29 @@ def test_feed_trims_one_slot_to_its_valid_entries_rounded_up_to_64():
     small = KVCache(2, 1, 2, 3, max_capacity=96, initial_capacity=96)
     small.append(np.zeros(70, np.int64), k, v)                       # ⌈70/64⌉·64 = 128 > capacity 96
     assert small.feed("k", "v", slot=0, trim=True)["k.1"].shape == (1, 2, 96, 3)
+
+
+def test_shrink_halves_to_the_longest_live_slot_and_keeps_its_entries():
+    cache = KVCache(2, 3, 2, 3, max_capacity=64, initial_capacity=4)
+    k, v = _rows(40)
+    cache.append(np.zeros(40, np.int64), k, v)                        # slot 0: 40 entries → capacity 40
+    cache.append(np.array([2, 2, 2]), *_rows(3, offset=7.0))
+    assert cache.capacity == 40
+    assert not cache.shrink()                                         # 40 > 40 / 4: stays
+    cache.reset(0)                                                    # longest live slot now 3
+    expected = cache.keys[1][2, :, :3].copy()
+    assert cache.shrink() and cache.capacity == 10                    # 40 → 20 → 10; 4 · 3 > 10 stops it
+    assert cache.keys[0].shape == (3, 2, 10, 3) and cache.lens.tolist() == [0, 0, 3]
+    np.testing.assert_array_equal(cache.keys[1][2, :, :3], expected)
+    assert not cache.shrink()
+    cache.reset(2)
+    assert cache.shrink() and cache.capacity == 4                     # never below the initial capacity
+    cache.append(np.zeros(10, np.int64), *_rows(10))                 # and it grows again
+    assert cache.capacity >= 10 and cache.lens.tolist() == [10, 0, 0]
+
+
+def test_shrink_with_no_slots_returns_to_the_initial_capacity():
+    cache = KVCache(1, 0, 1, 1, max_capacity=1024, initial_capacity=256)
+    cache.reserve(1000)
+    assert cache.capacity == 1000
+    assert cache.shrink() and cache.capacity == 256 and cache.keys[0].shape == (0, 1, 256, 1)

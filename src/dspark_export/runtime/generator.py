@@ -332,15 +332,22 @@ class Generator:
                 self._waiting = deque(s for s in self._waiting if not s.done)
 
     def _release_finished(self) -> None:
+        """Free the slots of finished requests; then shrink the slot count to the live requests' bucket
+        (unless requests wait) and the caches' capacity to their longest live slot (`KVCache.shrink`)."""
+        released = False
         for i, s in enumerate(self._slots):
             if s is not None and s.done:
                 self._slots[i] = None
                 self.target_kv.reset(i)
                 self.draft_kv.reset(i)
+                released = True
         live = sum(s is not None for s in self._slots)
         if self._slots and self.engines.bucket_for("drafter_block", max(1, live)) < len(self._slots) \
                 and not self._waiting:
             self._resize(live)
+        if released:
+            self.target_kv.shrink()
+            self.draft_kv.shrink()
 
     def _finish(self, s: _State, tokens: list[int] | None = None) -> None:
         s.done = True
@@ -443,7 +450,9 @@ class Generator:
         """dspark-async with a known drafter cost: skip the drafter block when drafting does not pay: the
         capacity K* for the current R requests, each given the running mean survival of earlier
         drafted steps (averaged over their requests; `scheduler.mean_survival_capacity`), is 0, or its
-        expected throughput beats not drafting by less than _SKIP_MARGIN (20 %).
+        expected throughput beats not drafting by less than _SKIP_MARGIN (20 %). The drafter block is
+        priced at d(S) for the S slots it runs over, not d(R): while a batch fills, most slots are still
+        prefilling (R = 1-15 of S = 16), and d(R) priced a 30 ms block at 4.5 ms on SmolLM2.
 
         Why the margin: the profile underprices a drafted step in the loop (the drafter block ran 1.3-2 ×
         its profiled d(R), plus the context flush and output checks), and on the serving prompts the
@@ -466,7 +475,7 @@ class Generator:
         for a probe of 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
         mean restarts from them. The interval doubles after each probe that ends in another skip
         (4, 8, ..., 64 steps) and drops back to 4 when drafting pays again; it is never shorter than
-        `_probe_floor(R)`, which keeps the probes' drafter time within 5 % of the skipped steps'.
+        `_probe_floor(R, S)`, which keeps the probes' drafter time within 5 % of the skipped steps'.
         Why: at 8 or more requests on SmolLM2 a probe's two drafter blocks cost ~1.5-2 target steps,
         and probes at 4, 12, 28, 60 steps were ~5 % of a closed-loop run's time. Measured (one process,
         policies interleaved, 3 repeats, 2C requests × 48 tokens, total-workload throughput / `ar`'s,
@@ -484,7 +493,7 @@ class Generator:
             self._probe_left -= 1
             return False
         R = len(decoding)
-        if self._skipped >= max(self._probe_interval, self._probe_floor(R)):
+        if self._skipped >= max(self._probe_interval, self._probe_floor(R, self.num_slots)):
             self._history, self._skipped, self._survival_n = [], 0, 0
             self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
             self._probe_left = _PROBE_STEPS - 1
@@ -492,21 +501,22 @@ class Generator:
         if self._survival_mean is None:
             return False
         if mean_survival_capacity(np.broadcast_to(self._survival_mean, (R, self.block_size)), R, self.profile,
-                                  _SKIP_MARGIN) > 0:
+                                  _SKIP_MARGIN, draft_slots=self.num_slots) > 0:
             self._probe_interval = _MIN_PROBE_INTERVAL
             return False
         self._skipped += 1
         self.drafts_skipped += 1
         return True
 
-    def _probe_floor(self, num_requests: int) -> int:
-        """The fewest skipped steps between dspark-async probes for R requests: enough that a probe's
-        drafter blocks cost at most _PROBE_OVERHEAD of the skipped steps' time,
-        ⌈_PROBE_STEPS · d(R) · SPS(R) / _PROBE_OVERHEAD⌉ (d(R) the drafter block's latency in s, SPS(R) the
-        target's steps/s at B = R rows, both from the profile). SmolLM2 on 2 CPU cores: 9 steps at R = 1,
-        23 at R = 8, 35 at R = 16. It may exceed the doubling's 64: a drafter that costs 10 target steps
-        is probed every 400 skipped steps (at most _FLOOR_CAP, so absurd profiles stay finite)."""
-        d, sps = self.profile.draft_seconds(num_requests), self.profile.sps(num_requests)
+    def _probe_floor(self, num_requests: int, num_slots: int) -> int:
+        """The fewest skipped steps between dspark-async probes for R requests in S slots: enough that a
+        probe's drafter blocks cost at most _PROBE_OVERHEAD of the skipped steps' time,
+        ⌈_PROBE_STEPS · d(S) · SPS(R) / _PROBE_OVERHEAD⌉ (d(S) the latency in s of the drafter block,
+        which runs over every slot, SPS(R) the target's steps/s at B = R rows, both from the profile).
+        SmolLM2 on 2 CPU cores, R = S: 9 steps at 1, 23 at 8, 35 at 16. It may exceed the doubling's 64:
+        a drafter that costs 10 target steps is probed every 400 skipped steps (at most _FLOOR_CAP, so
+        absurd profiles stay finite)."""
+        d, sps = self.profile.draft_seconds(num_slots), self.profile.sps(num_requests)
         if not sps > 0:
             return _MAX_PROBE_INTERVAL
         return int(np.ceil(min(_PROBE_STEPS * d * sps / _PROBE_OVERHEAD, _FLOOR_CAP)))

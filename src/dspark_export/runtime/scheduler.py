@@ -205,12 +205,13 @@ def _sorted_candidates(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _throughputs(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile,
-                 draft_at_zero: bool = True) -> np.ndarray:
+                 draft_at_zero: bool = True, draft_slots: int | None = None) -> np.ndarray:
     """Θ_k for k = 0..n, as [n+1] float64, τ_k = R + Σ_{i ≤ k} ranked_i:
 
     without drafter cost, Θ_k = τ_k · SPS(R + k) (paper Algorithm 1);
-    with it, Θ_k = τ_k / (1/SPS(R + k) + d(R)), where k = 0 pays d(R) only if `draft_at_zero` (the
-    drafts already exist: Algorithm 1's cost is sunk) and not when the step may skip the drafter.
+    with it, Θ_k = τ_k / (1/SPS(R + k) + d(S)), S = `draft_slots` (the rows the drafter block runs
+    over; R when None), where k = 0 pays d(S) only if `draft_at_zero` (the drafts already exist:
+    Algorithm 1's cost is sunk) and not when the step may skip the drafter.
     """
     tau = np.empty(ranked.size + 1)
     tau[0] = 0.0
@@ -221,7 +222,7 @@ def _throughputs(ranked: np.ndarray, num_requests: int, profile: ThroughputProfi
         return tau * sps
     with np.errstate(divide="ignore"):
         step_s = np.where(sps > 0, 1.0 / np.where(sps > 0, sps, 1.0), np.inf)
-    draft = np.full(step_s.shape, profile.draft_seconds(num_requests))
+    draft = np.full(step_s.shape, profile.draft_seconds(num_requests if draft_slots is None else draft_slots))
     if not draft_at_zero:
         draft[0] = 0.0
     return tau / (step_s + draft)
@@ -338,7 +339,7 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
 
 
 def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile: ThroughputProfile,
-                           margin: float = 0.0) -> int:
+                           margin: float = 0.0, draft_slots: int | None = None) -> int:
     """K* = argmax_K Θ(K) over the ranked survivals of R requests (no early stop, K = 0 priced without
     the drafter, as `dspark_async_capacity`), given each request's expected survival curve: whether
     drafting pays for the current requests.
@@ -359,23 +360,28 @@ def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile
         profile: SPS(B), with d(R) where known.
         margin: K* counts only if Θ(K*) ≥ (1 + margin) · Θ(0); otherwise 0 (a hedge against a cost
             model or confidences that favour drafting; the runtime passes 0.2). Defaults to 0.
+        draft_slots: S ≥ R, the rows the drafter block would run over (the runtime's slot count: the
+            block drafts for every slot, prefilling and empty ones included), priced as d(S);
+            None prices d(R).
     Returns:
         K* ≥ 0.
     Raises:
-        ValueError: mean_survival not [num_requests, γ] or outside [0, 1].
+        ValueError: mean_survival not [num_requests, γ] or outside [0, 1], or draft_slots < R.
     """
     a = np.asarray(mean_survival, np.float64)
     if a.ndim != 2 or a.shape[0] != num_requests or not np.all((a >= 0) & (a <= 1)):
         raise ValueError(f"mean_survival: expected [R={num_requests}, γ] values in [0, 1], found shape {a.shape}")
-    return _skippable_capacity(a, num_requests, profile, margin)
+    if draft_slots is not None and draft_slots < num_requests:
+        raise ValueError(f"draft_slots: expected at least R = {num_requests}, found {draft_slots}")
+    return _skippable_capacity(a, num_requests, profile, margin, draft_slots)
 
 
 def _skippable_capacity(survival: np.ndarray, num_requests: int, profile: ThroughputProfile,
-                        margin: float = 0.0) -> int:
+                        margin: float = 0.0, draft_slots: int | None = None) -> int:
     """K* = argmax_K Θ(K) over every survival of `survival` ranked together, no early stop, K = 0 priced
     without the drafter (a step that verifies nothing need not draft); 0 unless Θ(K*) ≥ (1 + margin) Θ(0)."""
     ranked = np.sort(survival.ravel())[::-1]
-    theta = _throughputs(ranked[ranked > 0], num_requests, profile, draft_at_zero=False)
+    theta = _throughputs(ranked[ranked > 0], num_requests, profile, draft_at_zero=False, draft_slots=draft_slots)
     k = int(np.argmax(theta))
     return k if theta[k] >= (1.0 + margin) * theta[0] else 0
 
