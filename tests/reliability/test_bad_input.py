@@ -297,3 +297,16 @@ def test_release_of_a_running_or_unknown_request_is_refused(rel_runtime):
         gen.release(999)
     run_steps(gen)
     assert gen.release(rid).finish_reason in ("length", "stop") and gen._requests == {}
+
+
+def test_stop_ids_and_strings_given_as_lists_work_as_tuples(rel_runtime):
+    """A direct `Generator` user passing lists (as vLLM and the OpenAI API take them) gets the same stop
+    as with tuples; before, a list of stop ids was silently ignored and the request ran to its length."""
+    prompt = [5, 6, 7, 8]
+    base = ar_tokens(rel_runtime, prompt, 20, stop_token_ids=())
+    assert SamplingParams(stop=["zz", "y"]).stop == ("zz", "y")
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=[base[5]])
+    assert params.stop_token_ids == (base[5],)
+    gen = generator(rel_runtime, "ar")
+    r = gen.generate([prompt], [params])[0]
+    assert r.finish_reason == "stop" and r.token_ids == base[:base.index(base[5]) + 1]

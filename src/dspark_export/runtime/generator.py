@@ -332,8 +332,9 @@ class Generator:
                 self._waiting = deque(s for s in self._waiting if not s.done)
 
     def _release_finished(self) -> None:
-        """Free the slots of finished requests; then shrink the slot count to the live requests' bucket
-        (unless requests wait) and the caches' capacity to their longest live slot (`KVCache.shrink`)."""
+        """Free the slots of finished requests; then shrink the caches' capacity to their longest live
+        slot (`KVCache.shrink`) and the slot count to the live requests' bucket (unless requests wait).
+        Capacity first, so a release that does both copies the caches at the smaller capacity."""
         released = False
         for i, s in enumerate(self._slots):
             if s is not None and s.done:
@@ -341,13 +342,13 @@ class Generator:
                 self.target_kv.reset(i)
                 self.draft_kv.reset(i)
                 released = True
+        if released:
+            self.target_kv.shrink()
+            self.draft_kv.shrink()
         live = sum(s is not None for s in self._slots)
         if self._slots and self.engines.bucket_for("drafter_block", max(1, live)) < len(self._slots) \
                 and not self._waiting:
             self._resize(live)
-        if released:
-            self.target_kv.shrink()
-            self.draft_kv.shrink()
 
     def _finish(self, s: _State, tokens: list[int] | None = None) -> None:
         s.done = True
