@@ -17,6 +17,8 @@ Usage:
     python scripts/train_drafter.py features --run runs/smollm2
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 1500
+    python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 2300 \
+        --lr-from runs/smollm2/dspark/metrics.jsonl      # same lr path as a resumed DSpark run
     python scripts/train_drafter.py calibrate --run runs/smollm2 --name dspark
     python scripts/train_drafter.py export --run runs/smollm2 --name dspark \
         --out src/dspark_export/assets/drafters/smollm2-135m-instruct
@@ -82,7 +84,7 @@ def cmd_features(args, say):
 def cmd_train(args, say):
     from dspark_export.modeling.checkpoint import save_drafter
     from dspark_export.training.features import FeatureCache
-    from dspark_export.training.trainer import TrainConfig, train_drafter
+    from dspark_export.training.trainer import TrainConfig, lr_path_from_metrics, train_drafter
 
     _, target = _target(args)
     out = Path(args.run) / args.name
@@ -91,8 +93,9 @@ def cmd_train(args, say):
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
                       seed=args.seed, threads=args.threads, save_every=args.save_every)
     t0 = time.perf_counter()
+    schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     drafter = train_drafter(target, FeatureCache(Path(args.run) / "features" / "train"), cfg, progress=say,
-                            time_budget_s=args.time_budget)
+                            time_budget_s=args.time_budget, lr_schedule=schedule)
     import torch
 
     step = torch.load(out / "training_state.pt", weights_only=True)["step"]
@@ -192,6 +195,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--time-budget", type=float, help="stop (resumably) after this many seconds")
+    p.add_argument("--lr-from", metavar="METRICS_JSONL",
+                   help="follow another run's learning rate step by step (its metrics.jsonl), instead of "
+                        "warmup + cosine: an ablation at an equal budget")
     p = sub.add_parser("calibrate", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--stride", type=int, default=2, help="replay a round at every k-th assistant position")

@@ -39,6 +39,12 @@ def test_train_script_stages(tiny_target_dir, tmp_path):
     assert main(["export", *run, "--name", "d", "--out", str(tmp_path / "shipped")]) == 0
     assert read_drafter_config(tmp_path / "shipped").is_trained
     assert (tmp_path / "shipped" / "calibration.json").is_file()
+    # the DFlash ablation on the DSpark run's learning-rate path
+    assert main(["train", *run, "--name", "f", "--variant", "dflash", "--steps", "2", "--seqs-per-step", "1",
+                 "--anchors-per-seq", "4", "--lr-from", str(tmp_path / "run" / "d" / "metrics.jsonl")]) == 0
+    lrs = [[json.loads(x)["lr"] for x in (tmp_path / "run" / name / "metrics.jsonl").read_text().splitlines()]
+           for name in ("d", "f")]
+    assert lrs[0] == lrs[1]
     # an interrupted run says so and leaves no drafter folder
     assert main(["train", *run, "--name", "e", "--steps", "50", "--seqs-per-step", "1", "--anchors-per-seq", "4",
                  "--markov-rank", "8", "--time-budget", "0"]) == 0

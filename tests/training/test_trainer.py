@@ -12,7 +12,7 @@ import torch
 from dspark_export.errors import ConfigError
 from dspark_export.modeling.config import default_target_layer_ids
 from dspark_export.training.features import FeatureCache, build_feature_cache
-from dspark_export.training.trainer import TrainConfig, train_drafter
+from dspark_export.training.trainer import TrainConfig, lr_path_from_metrics, train_drafter
 
 
 def test_feature_cache_matches_the_target(train_target, records, feature_cache):
@@ -113,3 +113,23 @@ def test_resume_with_another_config_is_refused(train_target, feature_cache, tmp_
 def test_dflash_variant_has_no_heads(train_target, feature_cache, tmp_path):
     d = train_drafter(train_target, feature_cache, _cfg(tmp_path, 2, variant="dflash"))
     assert d.markov_head is None and d.confidence_head is None
+
+
+def test_lr_path_from_another_run_is_followed_step_by_step(train_target, feature_cache, tmp_path):
+    """An ablation at an equal budget: the run takes, at every step, the lr the reference run logged for it
+    (interpolated between logged steps), not its own warmup + cosine."""
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text("\n".join(json.dumps({"step": s, "lr": lr}) for s, lr in [(2, 1e-3), (4, 3e-3), (6, 0.0)]) + "\n")
+    schedule = lr_path_from_metrics(ref)
+    assert [round(schedule(i), 7) for i in range(6)] == [1e-3, 1e-3, 2e-3, 3e-3, 1.5e-3, 0.0]
+    train_drafter(train_target, feature_cache, _cfg(tmp_path / "run", 6), lr_schedule=schedule)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3, 2e-3, 3e-3, 1.5e-3, 0.0]
+    (tmp_path / "bad.jsonl").write_text('{"step": 1, "lr": 0.1}\nnot json\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: expected a JSON object with numeric 'step' and 'lr'"):
+        lr_path_from_metrics(tmp_path / "bad.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="no metrics rows"):
+        lr_path_from_metrics(tmp_path / "empty.jsonl")
+    with pytest.raises(ConfigError, match="cannot read"):
+        lr_path_from_metrics(tmp_path / "missing.jsonl")

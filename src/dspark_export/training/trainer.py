@@ -32,7 +32,7 @@ from ..progress import Eta
 from .features import FeatureCache
 from .objective import LossWeights, dspark_loss, make_batch
 
-__all__ = ["TrainConfig", "train_drafter", "drafter_config_for"]
+__all__ = ["TrainConfig", "train_drafter", "drafter_config_for", "lr_path_from_metrics"]
 
 
 @dataclass(frozen=True)
@@ -86,18 +86,53 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def lr_path_from_metrics(path: str | Path) -> Callable[[int], float]:
+    """The learning rate of another run, step by step, read from its ``metrics.jsonl``: step index i
+    (0-based) gets the lr logged with ``"step": i + 1`` (the lr that step used), linearly interpolated
+    between logged steps and held flat past the ends. For ablations at an equal budget when the
+    reference run was resumed under changing schedules.
+
+    Raises:
+        ConfigError: the file is missing, a line is not JSON with numeric "step" and "lr", or it has no rows.
+    """
+    path = Path(path)
+    steps, lrs = [], []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the learning-rate path ({e})") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step, lr = float(row["step"]), float(row["lr"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path}:{n}: expected a JSON object with numeric 'step' and 'lr', found {line[:80]!r}") from e
+        steps.append(step)
+        lrs.append(lr)
+    if not steps:
+        raise ConfigError(f"{path}: no metrics rows to take a learning-rate path from")
+    order = np.argsort(steps, kind="stable")
+    xs, ys = np.asarray(steps)[order], np.asarray(lrs)[order]
+    return lambda i: float(np.interp(i + 1, xs, ys))
+
+
 def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Callable[[str], None] | None = None,
-                  *, stop_at: int | None = None, time_budget_s: float | None = None) -> DSparkDrafter:
+                  *, stop_at: int | None = None, time_budget_s: float | None = None,
+                  lr_schedule: Callable[[int], float] | None = None) -> DSparkDrafter:
     """Train (or resume) a drafter on a feature cache; returns it in eval mode with is_trained=True.
 
     `stop_at` (a step) and `time_budget_s` (wall seconds of this call) end the call early, with the
     state saved, as an interruption would; calling again with the same config continues the run
-    (the learning-rate schedule always follows `cfg.steps`).
+    (the learning-rate schedule always follows `cfg.steps`). `lr_schedule` (step index → lr, e.g.
+    `lr_path_from_metrics`) replaces the warmup-cosine schedule for this call.
 
     Raises:
         ConfigError: the cache's taps differ from the drafter's, or the state file is from another config.
     """
     say = progress or (lambda line: None)
+    lr_at = lr_schedule or (lambda i: _lr_at(i, cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
@@ -155,7 +190,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                     seqs.append(s)
                 batch = make_batch(seqs, cfg.anchors_per_seq, dcfg.block_size, rng)
                 for g in opt.param_groups:
-                    g["lr"] = _lr_at(step, cfg)
+                    g["lr"] = lr_at(step)
                 loss, metrics = dspark_loss(drafter, batch, cfg.loss, bf16=cfg.bf16)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -166,7 +201,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                 seen += int(batch.keep.sum())
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     el = time.perf_counter() - t0
-                    row = {"step": step, "lr": round(_lr_at(step - 1, cfg), 7), "grad_norm": round(grad_norm, 4),
+                    row = {"step": step, "lr": round(lr_at(step - 1), 7), "grad_norm": round(grad_norm, 4),
                            "elapsed_s": round(el, 1), **metrics}
                     log.write(json.dumps(row) + "\n")
                     log.flush()
