@@ -29,15 +29,15 @@ from dspark_export.runtime.request import SamplingParams
 FILLER = "The quick brown fox jumps over the lazy dog while the engines profile every bucket. "
 
 
-def short_burst(rt: Runtime, concurrency: int, long_tokens: int, shrink: bool, new_tokens: int = 64) -> dict:
-    """One long request, then `concurrency` short ones on the same generator; the short ones' tokens/s."""
+def short_burst(rt: Runtime, long_ids: list[int], short: list[list[int]], shrink: bool, new_tokens: int = 64) -> dict:
+    """One long request (`long_ids`), then the `short` ones at once on the same generator; the short ones'
+    tokens/s."""
     gen = Generator(rt.engines, parse_policy("ar"))
     if not shrink:
         gen.target_kv.shrink = gen.draft_kv.shrink = lambda: False
-    long_ids = rt.encode(FILLER * (long_tokens // 8 + 1), False)[:long_tokens]
     gen.generate([long_ids], [SamplingParams(max_new_tokens=2)])
     capacity = gen.target_kv.capacity
-    short = [rt.encode(f"Write a short poem about the number {i}.", True) for i in range(concurrency)]
+    concurrency = len(short)
     gen.generate(short, [SamplingParams(max_new_tokens=4)] * concurrency)    # warm the prefill shapes
     t0 = time.perf_counter()
     out = gen.generate(short, [SamplingParams(max_new_tokens=new_tokens)] * concurrency)
@@ -55,16 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     rt = Runtime.open(args.engine_dir, policy="ar")
-    if args.long_tokens + 3 > rt.engines.manifest.data["runtime"]["max_context"]:
-        print(f"--long-tokens {args.long_tokens}: exceeds the engines' max_context "
-              f"{rt.engines.manifest.data['runtime']['max_context']} (minus 3)", file=sys.stderr)
+    max_context = rt.engines.manifest.data["runtime"]["max_context"]
+    if args.long_tokens + 3 > max_context:
+        print(f"--long-tokens {args.long_tokens}: exceeds the engines' max_context {max_context} (minus 3)",
+              file=sys.stderr)
         return 2
+    concurrency = [int(x) for x in args.concurrency.split(",")]
+    long_ids = rt.encode(FILLER * (args.long_tokens // 8 + 1), False)[:args.long_tokens]
+    short = [rt.encode(f"Write a short poem about the number {i}.", True) for i in range(max(concurrency))]
     results = []
-    for c in (int(x) for x in args.concurrency.split(",")):
+    for c in concurrency:
         runs = {True: [], False: []}
         for rep in range(args.repeats):
             for shrink in ((True, False) if rep % 2 == 0 else (False, True)):
-                r = short_burst(rt, c, args.long_tokens, shrink)
+                r = short_burst(rt, long_ids, short[:c], shrink)
                 runs[shrink].append(r)
                 print(f"C={c} repeat {rep} {'shrink' if shrink else 'no shrink'}: {r['tokens_per_s']:.1f} tok/s "
                       f"(cache capacity as the short requests start: {r['capacity_after_long']})", flush=True)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,6 +11,7 @@ from dspark_export.bench.serve import _TimedPolicy, markdown_table
 from dspark_export.errors import ConfigError
 from dspark_export.runtime.generator import Generator
 
+from ..script_loader import load_script
 from ..test_pipeline import BUCKETS, engine_dir  # noqa: F401  (module fixture: the tiny engine directory)
 
 POLICIES = ("ar", "fixed:1", "fixed:4", "dspark", "dspark-async")
@@ -197,10 +196,7 @@ def test_policy_the_engine_cannot_run(engine_dir, datasets_dir):  # noqa: F811
 
 
 def test_script(engine_dir, datasets_dir, tmp_path, capsys):  # noqa: F811
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("bench_serve.py")
     common = ["--engine-dir", str(engine_dir), "--datasets", "alpha,beta", "--datasets-dir", str(datasets_dir)]
     rc = script.main(common + ["--concurrency", "2", "--policies", "ar,fixed:2", "--requests", "2",
                                "--max-new-tokens", "4", "--json", str(tmp_path / "r.json"),

@@ -6,6 +6,7 @@ import pytest
 
 from dspark_export.runtime.request import SamplingParams
 
+from ..script_loader import load_script
 from .conftest import ar_tokens, generator
 
 SHORT = [11, 12, 13, 14, 15]
@@ -34,14 +35,9 @@ def test_caches_shrink_once_a_long_request_leaves(rel_runtime, policy):
 
 def test_bench_kv_shrink_script_small(rel_engine_dir, tmp_path):
     """scripts/bench_kv_shrink.py on the tiny engine directory, so the script cannot rot."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_kv_shrink.py"
-    spec = importlib.util.spec_from_file_location("bench_kv_shrink", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_kv_shrink.py")
     out = tmp_path / "shrink.json"
     assert module.main(["--engine-dir", str(rel_engine_dir), "--concurrency", "1,2", "--long-tokens", "400",
                         "--repeats", "1", "--json", str(out)]) == 0

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
+from ..script_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("soak_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up while the module runs
-    spec.loader.exec_module(module)
-    return module
+    return load_script("soak.py")
 
 
 def test_soak_script_small(rel_engine_dir, tmp_path, capsys):

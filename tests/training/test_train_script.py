@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from dspark_export.bench.common import default_datasets_dir
 from dspark_export.modeling.checkpoint import read_drafter_config
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_drafter.py"
+from ..script_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_drafter_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_drafter.py")
 
 
 @pytest.mark.skipif(default_datasets_dir() is None, reason="../shared/eval_datasets is not present")

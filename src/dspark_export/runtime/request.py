@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -28,11 +29,11 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 1 = off.
         seed: seeds this request's uniforms (np.random.default_rng(seed)): the same seed, prompt and
             parameters give the same output in any batch; None = random.
-        stop_token_ids: extra stop ids on top of the engine's EOS ids (a list is taken as a tuple).
+        stop_token_ids: extra stop ids on top of the engine's EOS ids (a list or other iterable becomes a tuple).
         stop: stop strings. The request ends at the first committed token whose decoded output
             contains one (checked token by token, also inside an accepted block); `token_ids` keep
             that token, `text` ends before the stop string (as vLLM / the OpenAI API). Needs a
-            tokenizer (`Runtime`, or `Generator(detokenize=...)`). A list is taken as a tuple.
+            tokenizer (`Runtime`, or `Generator(detokenize=...)`). A list or other iterable becomes a tuple.
     """
 
     max_new_tokens: int = 128
@@ -44,11 +45,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self):
-        # lists are as natural as tuples here (vLLM and the OpenAI API take lists); anything else is left
-        # for `validate` to name
+        # lists (as vLLM and the OpenAI API take them) and other iterables become tuples; a string, or a
+        # value that is not iterable, is left for `validate` to name
         for name in ("stop_token_ids", "stop"):
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
+            value = getattr(self, name)
+            if isinstance(value, Iterable) and not isinstance(value, (str, bytes, tuple)):
+                object.__setattr__(self, name, tuple(value))
 
     def validate(self) -> None:
         """Raises RequestError naming the bad field, expected vs found."""

@@ -56,8 +56,6 @@ def sampling_params_from(value: SamplingParams | Mapping | None) -> SamplingPara
         if unknown:
             raise RequestError(f"sampling params: unknown fields {unknown}; expected some of {sorted(_PARAM_FIELDS)}")
         kw = dict(value)
-        if "stop_token_ids" in kw:
-            kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
         if kw.get("seed", None) == -1:  # the C++ API's "no seed"; other negatives are refused by validate
             kw["seed"] = None
         params = SamplingParams(**kw)
