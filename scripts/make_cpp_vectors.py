@@ -58,12 +58,19 @@ def _random_profile(rng: np.random.Generator) -> ThroughputProfile:
         draft_r = tuple(int(r) for r in np.sort(rng.choice(np.arange(1, 33), size=int(rng.integers(1, 6)),
                                                            replace=False)))
         draft_ms = tuple(float(m) for m in rng.uniform(0, 40, len(draft_r)))
-    return ThroughputProfile(tuple(int(b) for b in buckets), tuple(float(s) for s in sps), draft_r, draft_ms)
+    p = ThroughputProfile(tuple(int(b) for b in buckets), tuple(float(s) for s in sps), draft_r, draft_ms)
+    if rng.random() < 0.5:     # with the layout cost (sps.json attention fit), bound to a step layout
+        layout = tuple((int(rng.integers(1, 17)), int(rng.integers(1, 9)), int(rng.integers(16, 513))) for _ in buckets)
+        p = ThroughputProfile(p.buckets, p.steps_per_s, draft_r, draft_ms, attention_ms=float(rng.uniform(0, 2e-3)),
+                              kv_read_ms=float(rng.uniform(0, 2e-3)) * (rng.random() < 0.8), profiled_layout=layout)
+        p = p.at(int(rng.integers(1, 17)), int(rng.integers(16, 4097)))
+    return p
 
 
 def _profile_json(p: ThroughputProfile) -> dict:
     return {"buckets": list(p.buckets), "sps": list(p.steps_per_s), "draft_requests": list(p.draft_requests),
-            "draft_ms": list(p.draft_ms)}
+            "draft_ms": list(p.draft_ms), "attention_ms": p.attention_ms, "kv_read_ms": p.kv_read_ms,
+            "layout": [list(row) for row in p.profiled_layout], "num_slots": p.num_slots, "kv_capacity": p.kv_capacity}
 
 
 def _random_confidence(rng: np.random.Generator, rows: int, gamma: int) -> np.ndarray:
@@ -136,8 +143,12 @@ def profile_vectors(rng: np.random.Generator, cases: int) -> dict:
     for _ in range(cases):
         p = _random_profile(rng)
         queries = [int(q) for q in rng.integers(0, p.max_tokens + 3, 8)]
+        widths = [int(w) for w in rng.integers(1, 10, len(queries))]
         lookups.append({**_profile_json(p), "queries": queries, "expected": [float(p.sps(q)) for q in queries],
-                        "expected_draft_s": [p.draft_seconds(q) for q in queries], "max_tokens": p.max_tokens})
+                        "expected_draft_s": [p.draft_seconds(q) for q in queries], "max_tokens": p.max_tokens,
+                        "widths": widths, "has_layout_cost": p.has_layout_cost,
+                        "expected_step_s": [float(x) if np.isfinite(x) else "inf"
+                                            for x in p.step_seconds(queries, widths)]})
     invalid = []
     for buckets, sps in [([], []), ([1, 2], [10.0]), ([2, 1], [5.0, 4.0]), ([1, 1], [5.0, 4.0]), ([0, 2], [5.0, 4.0]),
                          ([1, 2], [5.0, 0.0]), ([1, 2], [5.0, -1.0]), ([1, 2], [5.0, float("inf")])]:
@@ -153,8 +164,19 @@ def profile_vectors(rng: np.random.Generator, cases: int) -> dict:
                            {"B": 2, "median_ms": 38.5, "p10_ms": 38.0, "p90_ms": 39.0, "sps": 26.0}],
                 "drafter_block": [{"R": 2, "median_ms": 21.8}, {"R": 1, "median_ms": 14.1}]}
     parsed = ThroughputProfile.from_json(sps_json)
+    # with the layout fit the profiler writes (engines/profiler.py measure_layout_cost)
+    fitted = json.loads(json.dumps(sps_json))
+    for row, shape in zip(fitted["target"], ([1, 4, 136], [1, 1, 136], [1, 2, 136])):
+        row.update(zip("SQP", shape))
+    fitted["attention"] = {"ms_per_row_entry": 7.1e-4, "ms_per_slot_entry": 8.8e-4, "max_error_pct": 4.9, "layouts": []}
+    bound = ThroughputProfile.from_json(fitted).at(4, 256)
+    queries = [0, 1, 2, 3, 4, 5]
     return {"lookups": lookups, "invalid": invalid,
-            "sps_json": {"data": sps_json, **_profile_json(parsed)}}
+            "sps_json": {"data": sps_json, **_profile_json(parsed)},
+            "sps_json_fit": {"data": fitted, "num_slots": 4, "kv_capacity": 256, "queries": queries,
+                             "widths": [1, 1, 2, 2, 3, 1],
+                             "expected_step_s": [float(x) if np.isfinite(x) else "inf"
+                                                 for x in bound.step_seconds(queries, [1, 1, 2, 2, 3, 1])]}}
 
 
 def _verify_once(case: dict) -> tuple[int, int]:

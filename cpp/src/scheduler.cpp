@@ -70,11 +70,12 @@ void SortedCandidates(const std::vector<double>& survival, int64_t rows, int64_t
   }
 }
 
-// K: early_stop → the last k before the first Θ_k ≤ Θ_{k-1}; else the first argmax of Θ.
+// Θ_k for k = 0..n (runtime/scheduler.py `_throughputs`): τ_k = R + Σ_{i ≤ k} ranked_i over
 // Θ_k = τ_k·SPS(R+k), or with the drafter cost τ_k / (1/SPS(R+k) + d(R)), where k = 0 pays d(R) only
-// when draft_at_zero (dspark-async may skip the drafter when it verifies nothing).
-int64_t SearchCapacity(const std::vector<double>& ranked, int64_t num_requests, const ThroughputProfile& profile,
-                       bool early_stop, bool draft_at_zero = true) {
+// when draft_at_zero (dspark-async may skip the drafter when it verifies nothing). With a layout cost
+// and depth (the position j of each ranked candidate), 1/SPS(R+k) becomes t(R+k, 1 + max depth so far).
+std::vector<double> Thetas(const std::vector<double>& ranked, const std::vector<int64_t>* depth, int64_t num_requests,
+                           const ThroughputProfile& profile, bool draft_at_zero) {
   const size_t n = ranked.size();
   std::vector<double> tau(n + 1);
   tau[0] = 0.0;
@@ -82,8 +83,16 @@ int64_t SearchCapacity(const std::vector<double>& ranked, int64_t num_requests, 
   for (size_t i = 0; i < n; ++i) tau[i + 1] = (acc += ranked[i]);
   std::vector<double> theta(n + 1);
   const double draft = profile.DraftSeconds(num_requests);
+  const bool layout = depth != nullptr && profile.has_layout_cost();
+  int64_t width = 1;
   for (size_t k = 0; k <= n; ++k) {
     double t = tau[k] + static_cast<double>(num_requests);
+    if (layout) {
+      if (k > 0) width = std::max(width, (*depth)[k - 1] + 1);
+      double step_s = profile.StepSeconds(num_requests + static_cast<int64_t>(k), width);
+      theta[k] = t / (step_s + ((k == 0 && !draft_at_zero) ? 0.0 : draft));
+      continue;
+    }
     double sps = profile.Sps(num_requests + static_cast<int64_t>(k));
     if (!profile.has_draft_cost()) {
       theta[k] = t * sps;
@@ -92,10 +101,49 @@ int64_t SearchCapacity(const std::vector<double>& ranked, int64_t num_requests, 
       theta[k] = t / (step_s + ((k == 0 && !draft_at_zero) ? 0.0 : draft));
     }
   }
+  return theta;
+}
+
+// K: early_stop → the last k before the first Θ_k ≤ Θ_{k-1}; else the first argmax of Θ.
+int64_t PickCapacity(const std::vector<double>& theta, bool early_stop) {
   if (!early_stop) return std::max_element(theta.begin(), theta.end()) - theta.begin();
-  for (size_t k = 1; k <= n; ++k)
+  for (size_t k = 1; k < theta.size(); ++k)
     if (theta[k] <= theta[k - 1]) return static_cast<int64_t>(k - 1);
-  return static_cast<int64_t>(n);
+  return static_cast<int64_t>(theta.size() - 1);
+}
+
+// Global search (runtime/scheduler.py `_best_plan`): the count K and the cap L on every ℓ_r; without a
+// layout cost L = cols and K = argmax Θ; with one, the best (L, K) over L = 1..max depth (strictly
+// better Θ wins, so the smallest L on ties).
+void BestPlan(const std::vector<double>& survival, int64_t rows, int64_t cols, int64_t num_requests,
+              const ThroughputProfile& profile, bool draft_at_zero, int64_t* k_out, int64_t* cap_out) {
+  std::vector<int64_t> order;
+  std::vector<double> ranked;
+  SortedCandidates(survival, rows, cols, &order, &ranked);
+  if (!profile.has_layout_cost()) {
+    *k_out = PickCapacity(Thetas(ranked, nullptr, num_requests, profile, draft_at_zero), false);
+    *cap_out = cols;
+    return;
+  }
+  std::vector<int64_t> depth(order.size());
+  int64_t deepest = 1;
+  for (size_t i = 0; i < order.size(); ++i) deepest = std::max(deepest, depth[i] = order[i] / std::max<int64_t>(rows, 1) + 1);
+  bool found = false;
+  double best = 0.0;
+  for (int64_t cap = 1; cap <= deepest; ++cap) {
+    std::vector<double> r;
+    std::vector<int64_t> d;
+    for (size_t i = 0; i < order.size(); ++i)
+      if (depth[i] <= cap) { r.push_back(ranked[i]); d.push_back(depth[i]); }
+    std::vector<double> theta = Thetas(r, &d, num_requests, profile, draft_at_zero);
+    int64_t k = PickCapacity(theta, false);
+    if (!found || theta[k] > best) {
+      found = true;
+      best = theta[k];
+      *k_out = k;
+      *cap_out = cap;
+    }
+  }
 }
 
 std::vector<int64_t> TopKLengths(const std::vector<int64_t>& order, int64_t num_requests, int64_t k) {
@@ -138,6 +186,10 @@ Status ThroughputProfile::Create(std::vector<int64_t> buckets, std::vector<doubl
   p.effective_.assign(p.steps_per_s_.size() + 1, 0.0);
   double best = 0.0;
   for (size_t i = p.steps_per_s_.size(); i-- > 0;) p.effective_[i] = best = std::max(best, p.steps_per_s_[i]);
+  const size_t nb = p.steps_per_s_.size();
+  p.best_.assign(nb + 1, nb);
+  for (size_t i = nb; i-- > 0;)
+    p.best_[i] = (i == nb - 1 || p.steps_per_s_[i] >= p.steps_per_s_[p.best_[i + 1]]) ? i : p.best_[i + 1];
   *out = std::move(p);
   return Status::Ok();
 }
@@ -149,14 +201,27 @@ Status ThroughputProfile::FromSpsJson(const std::string& json_text, ThroughputPr
     return Status(StatusCode::kProfile, "profile: expected an sps.json object with a non-empty 'target' list of rows");
   }
   std::vector<std::pair<int64_t, double>> rows;
+  std::vector<std::pair<int64_t, std::array<int64_t, 3>>> layout_rows;
+  const bool fit = data.contains("attention") && data["attention"].is_object() && !data["attention"].empty();
   for (const auto& row : data["target"]) {
     if (!row.is_object() || !row.contains("B") || !row.contains("sps") || !row["B"].is_number_integer() ||
         !row["sps"].is_number()) {
       return Status(StatusCode::kProfile, "profile: every 'target' row needs an integer 'B' and a numeric 'sps'");
     }
     rows.emplace_back(row["B"].get<int64_t>(), row["sps"].get<double>());
+    if (fit) {
+      for (const char* key : {"S", "Q", "P"}) {
+        if (!row.contains(key) || !row[key].is_number_integer()) {
+          return Status(StatusCode::kProfile, std::string("profile: an 'attention' fit needs every 'target' row's "
+                                                          "integer 'S', 'Q', 'P'; a row has no integer '") + key + "'");
+        }
+      }
+      layout_rows.push_back({row["B"].get<int64_t>(),
+                             {row["S"].get<int64_t>(), row["Q"].get<int64_t>(), row["P"].get<int64_t>()}});
+    }
   }
   std::sort(rows.begin(), rows.end());
+  std::sort(layout_rows.begin(), layout_rows.end());
   std::vector<int64_t> b;
   std::vector<double> s;
   for (auto& [bucket, sps] : rows) {
@@ -181,7 +246,61 @@ Status ThroughputProfile::FromSpsJson(const std::string& json_text, ThroughputPr
     dr.push_back(r);
     dms.push_back(ms);
   }
-  return Create(std::move(b), std::move(s), out, std::move(dr), std::move(dms));
+  Status st = Create(std::move(b), std::move(s), out, std::move(dr), std::move(dms));
+  if (!st.ok() || !fit) return st;
+  const auto& att = data["attention"];
+  if (!att.contains("ms_per_row_entry") || !att["ms_per_row_entry"].is_number() ||
+      !att.contains("ms_per_slot_entry") || !att["ms_per_slot_entry"].is_number()) {
+    return Status(StatusCode::kProfile, "profile: an 'attention' fit needs numeric 'ms_per_row_entry' and "
+                                        "'ms_per_slot_entry'");
+  }
+  std::vector<std::array<int64_t, 3>> layout;
+  for (auto& [bucket, shape] : layout_rows) layout.push_back(shape);
+  return out->SetLayoutCost(att["ms_per_row_entry"].get<double>(), att["ms_per_slot_entry"].get<double>(),
+                            std::move(layout));
+}
+
+Status ThroughputProfile::SetLayoutCost(double attention_ms, double kv_read_ms,
+                                        std::vector<std::array<int64_t, 3>> layout) {
+  if (!(std::isfinite(attention_ms) && attention_ms >= 0 && std::isfinite(kv_read_ms) && kv_read_ms >= 0)) {
+    return Status(StatusCode::kProfile, "profile: the attention fit's coefficients must be finite and >= 0 ms");
+  }
+  bool ok = layout.empty() || layout.size() == buckets_.size();
+  for (const auto& row : layout) ok = ok && row[0] >= 1 && row[1] >= 1 && row[2] >= 1;
+  if (!ok) {
+    return Status(StatusCode::kProfile, "profile: expected one (slots, query width, KV capacity) >= 1 per bucket (" +
+                                            std::to_string(buckets_.size()) + "), found " +
+                                            std::to_string(layout.size()));
+  }
+  attention_ms_ = attention_ms;
+  kv_read_ms_ = kv_read_ms;
+  layout_ = std::move(layout);
+  return Status::Ok();
+}
+
+ThroughputProfile ThroughputProfile::At(int64_t num_slots, int64_t kv_capacity) const {
+  ThroughputProfile p = *this;
+  p.num_slots_ = std::max<int64_t>(num_slots, 1);
+  p.kv_capacity_ = std::max<int64_t>(kv_capacity, 1);
+  return p;
+}
+
+bool ThroughputProfile::has_layout_cost() const {
+  return !layout_.empty() && num_slots_ > 0 && kv_capacity_ > 0 && (attention_ms_ > 0 || kv_read_ms_ > 0);
+}
+
+double ThroughputProfile::StepSeconds(int64_t num_tokens, int64_t width) const {
+  size_t i = static_cast<size_t>(std::lower_bound(buckets_.begin(), buckets_.end(), num_tokens) - buckets_.begin());
+  if (i >= buckets_.size()) return std::numeric_limits<double>::infinity();
+  const size_t b = best_[i];
+  const double base = 1.0 / steps_per_s_[b];
+  if (!has_layout_cost()) return base;
+  const int64_t s = num_slots_, p = kv_capacity_;
+  const int64_t q = std::max(width, (buckets_[b] + s - 1) / s);
+  const auto& l = layout_[b];
+  const double corr = (attention_ms_ * static_cast<double>(s * q * p - l[0] * l[1] * l[2]) +
+                       kv_read_ms_ * static_cast<double>(s * p - l[0] * l[2])) / 1000.0;
+  return std::max(base + corr, 0.5 * base);
 }
 
 Status ThroughputProfile::FromFile(const std::string& path, ThroughputProfile* out) {
@@ -278,7 +397,9 @@ static Status DsparkLengths(const ConfidenceView& c, const ThroughputProfile& pr
   std::vector<int64_t> order;
   std::vector<double> ranked;
   SortedCandidates(a, c.rows, c.cols, &order, &ranked);
-  *lengths = TopKLengths(order, c.rows, SearchCapacity(ranked, c.rows, profile, /*early_stop=*/true));
+  std::vector<int64_t> depth(order.size());
+  for (size_t i = 0; i < order.size(); ++i) depth[i] = order[i] / std::max<int64_t>(c.rows, 1) + 1;
+  *lengths = TopKLengths(order, c.rows, PickCapacity(Thetas(ranked, &depth, c.rows, profile, true), true));
   return Status::Ok();
 }
 
@@ -286,18 +407,19 @@ static Status DsparkAsyncLengths(const ConfidenceView& c, const ConfidenceView* 
                                  const ThroughputProfile& profile, const int64_t* max_lengths,
                                  std::vector<int64_t>* lengths) {
   if (lagged == nullptr || lagged->data == nullptr) return DsparkLengths(c, profile, max_lengths, lengths);
-  std::vector<double> a;
-  Status st = SurvivalProbs(c, max_lengths, &a);
-  if (!st.ok()) return st;
+  Status cst = CheckConfidence(c, "confidence");
+  if (!cst.ok()) return cst;
   Status lst = CheckConfidence(*lagged, "lagged_confidence");
   if (!lst.ok()) return lst;
   std::vector<double> lagged_a;
   SurvivalProbs(*lagged, nullptr, &lagged_a);
-  std::sort(lagged_a.begin(), lagged_a.end(), [](double x, double y) { return x > y; });
-  std::vector<double> positive;
-  for (double v : lagged_a)
-    if (v > 0) positive.push_back(v);
-  int64_t k = SearchCapacity(positive, c.rows, profile, /*early_stop=*/false, /*draft_at_zero=*/false);
+  int64_t k = 0, cap = c.cols;
+  BestPlan(lagged_a, lagged->rows, lagged->cols, c.rows, profile, /*draft_at_zero=*/false, &k, &cap);
+  std::vector<int64_t> limit(static_cast<size_t>(c.rows));
+  for (int64_t r = 0; r < c.rows; ++r) limit[r] = max_lengths != nullptr ? std::min(max_lengths[r], cap) : cap;
+  std::vector<double> a;
+  Status st = SurvivalProbs(c, limit.data(), &a);
+  if (!st.ok()) return st;
   std::vector<int64_t> order;
   std::vector<double> ranked;
   SortedCandidates(a, c.rows, c.cols, &order, &ranked);

@@ -2,6 +2,7 @@
 // JSON vectors written by scripts/make_cpp_vectors.py (ctest fixture "vectors", path in $DSPARK_VECTORS).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -69,10 +70,28 @@ TEST(Policy, ParseMatchesPython) {
   EXPECT_GE(checked, 20);
 }
 
+// A profile from the vectors' JSON form (scripts/make_cpp_vectors.py _profile_json), layout cost included.
+::testing::AssertionResult ProfileFromJson(const json& c, dspark::ThroughputProfile* out) {
+  dspark::Status st = dspark::ThroughputProfile::Create(
+      c["buckets"].get<std::vector<int64_t>>(), c["sps"].get<std::vector<double>>(), out,
+      c["draft_requests"].get<std::vector<int64_t>>(), c["draft_ms"].get<std::vector<double>>());
+  if (!st.ok()) return ::testing::AssertionFailure() << st.ToString();
+  if (c.contains("layout") && !c["layout"].empty()) {
+    std::vector<std::array<int64_t, 3>> layout;
+    for (const auto& row : c["layout"]) layout.push_back({row[0].get<int64_t>(), row[1].get<int64_t>(), row[2].get<int64_t>()});
+    st = out->SetLayoutCost(c["attention_ms"].get<double>(), c["kv_read_ms"].get<double>(), std::move(layout));
+    if (!st.ok()) return ::testing::AssertionFailure() << st.ToString();
+  }
+  if (c.contains("num_slots") && !c["num_slots"].is_null()) {
+    *out = out->At(c["num_slots"].get<int64_t>(), c["kv_capacity"].get<int64_t>());
+  }
+  return ::testing::AssertionSuccess();
+}
+
 TEST(Policy, VerifyLengthsMatchPython) {
   json data = ReadJson("policies.json");
   std::map<std::string, int> per_policy;
-  int with_draft_cost = 0;
+  int with_draft_cost = 0, with_layout_cost = 0;
   for (const auto& c : data["cases"]) {
     dspark::Policy policy;
     ASSERT_TRUE(dspark::Policy::Parse(c["policy"], &policy).ok());
@@ -83,12 +102,9 @@ TEST(Policy, VerifyLengthsMatchPython) {
     dspark::ConfidenceView view{conf.data(), rows, cols};
     dspark::ThroughputProfile profile;
     if (!c["profile"].is_null()) {
-      ASSERT_TRUE(dspark::ThroughputProfile::Create(c["profile"]["buckets"].get<std::vector<int64_t>>(),
-                                                    c["profile"]["sps"].get<std::vector<double>>(), &profile,
-                                                    c["profile"]["draft_requests"].get<std::vector<int64_t>>(),
-                                                    c["profile"]["draft_ms"].get<std::vector<double>>())
-                      .ok());
+      ASSERT_TRUE(ProfileFromJson(c["profile"], &profile));
       with_draft_cost += profile.has_draft_cost();
+      with_layout_cost += profile.has_layout_cost();
     }
     std::vector<float> lagged_data;
     dspark::ConfidenceView lagged;
@@ -112,6 +128,7 @@ TEST(Policy, VerifyLengthsMatchPython) {
     EXPECT_GE(per_policy[name], 1000) << name;
   }
   EXPECT_GE(with_draft_cost, 500);  // about half of the dspark cases price the drafter
+  EXPECT_GE(with_layout_cost, 500);  // about half price the layout
 }
 
 TEST(Policy, WorkedExampleFromTheDocstring) {
@@ -153,17 +170,19 @@ TEST(Profile, LookupsMatchPython) {
   json data = ReadJson("profile.json");
   for (const auto& c : data["lookups"]) {
     dspark::ThroughputProfile p;
-    ASSERT_TRUE(dspark::ThroughputProfile::Create(c["buckets"].get<std::vector<int64_t>>(),
-                                                  c["sps"].get<std::vector<double>>(), &p,
-                                                  c["draft_requests"].get<std::vector<int64_t>>(),
-                                                  c["draft_ms"].get<std::vector<double>>()).ok());
+    ASSERT_TRUE(ProfileFromJson(c, &p));
     EXPECT_EQ(p.max_tokens(), c["max_tokens"].get<int64_t>());
+    EXPECT_EQ(p.has_layout_cost(), c["has_layout_cost"].get<bool>());
     const auto queries = c["queries"].get<std::vector<int64_t>>();
+    const auto widths = c["widths"].get<std::vector<int64_t>>();
     const auto expected = c["expected"].get<std::vector<double>>();
     const auto expected_draft = c["expected_draft_s"].get<std::vector<double>>();
     for (size_t i = 0; i < queries.size(); ++i) {
       EXPECT_EQ(p.Sps(queries[i]), expected[i]) << "B=" << queries[i];
       EXPECT_EQ(p.DraftSeconds(queries[i]), expected_draft[i]) << "R=" << queries[i];
+      const auto& step = c["expected_step_s"][i];
+      EXPECT_EQ(p.StepSeconds(queries[i], widths[i]), step.is_string() ? INFINITY : step.get<double>())
+          << "B=" << queries[i] << " w=" << widths[i];
     }
   }
   for (const auto& c : data["invalid"]) {
@@ -182,6 +201,26 @@ TEST(Profile, LookupsMatchPython) {
   EXPECT_EQ(p.DraftSeconds(1), data["sps_json"]["draft_ms"][0].get<double>() / 1000.0);
   ASSERT_TRUE(dspark::ThroughputProfile::FromSpsJson(data["sps_json"]["data"].dump(), &p, false).ok());
   EXPECT_FALSE(p.has_draft_cost());
+  EXPECT_FALSE(p.has_layout_cost());
+  // the layout fit (sps.json "attention", target rows' S, Q, P)
+  const json& fit = data["sps_json_fit"];
+  ASSERT_TRUE(dspark::ThroughputProfile::FromSpsJson(fit["data"].dump(), &p).ok());
+  EXPECT_FALSE(p.has_layout_cost());  // not bound to a layout yet
+  dspark::ThroughputProfile bound = p.At(fit["num_slots"].get<int64_t>(), fit["kv_capacity"].get<int64_t>());
+  EXPECT_TRUE(bound.has_layout_cost());
+  for (size_t i = 0; i < fit["queries"].size(); ++i) {
+    const auto& step = fit["expected_step_s"][i];
+    EXPECT_EQ(bound.StepSeconds(fit["queries"][i].get<int64_t>(), fit["widths"][i].get<int64_t>()),
+              step.is_string() ? INFINITY : step.get<double>()) << i;
+  }
+  json broken = fit["data"];
+  broken["target"][1].erase("Q");
+  dspark::Status st = dspark::ThroughputProfile::FromSpsJson(broken.dump(), &p);
+  EXPECT_EQ(st.code(), dspark::StatusCode::kProfile);
+  EXPECT_NE(st.message().find("'Q'"), std::string::npos) << st.message();
+  broken = fit["data"];
+  broken["attention"]["ms_per_row_entry"] = -1.0;
+  EXPECT_FALSE(dspark::ThroughputProfile::FromSpsJson(broken.dump(), &p).ok());
   EXPECT_FALSE(dspark::ThroughputProfile::FromSpsJson("{\"target\": []}", &p).ok());
   EXPECT_FALSE(dspark::ThroughputProfile::FromSpsJson("not json", &p).ok());
   EXPECT_FALSE(dspark::ThroughputProfile::FromSpsJson("{\"target\": [{\"B\": \"4\", \"sps\": 1}]}", &p).ok());

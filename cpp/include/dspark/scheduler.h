@@ -14,6 +14,7 @@
 //   Θ        = τ · SPS(B), expected tokens per second.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,6 +28,10 @@ namespace dspark {
 // that holds it); beyond the largest bucket SPS is 0 (the step cannot run).
 // Optional drafter cost d(R) (sps.json "drafter_block" rows): the policies then rate a step at
 // τ / (1/SPS(B) + d(R)) instead of τ·SPS(B) (runtime/scheduler.py ThroughputProfile explains why).
+// Optional layout cost (sps.json "attention" fit, each target row's "S", "Q", "P"): bound to a step layout
+// with At(S, P), a step of B tokens whose longest request verifies w - 1 drafts costs
+//   t(B, w) = 1/SPS(b) + [c_a·(S·Q·P - S_b·Q_b·P_b) + c_kv·(S·P - S_b·P_b)] / 1000 s, Q = max(w, ⌈b/S⌉),
+// at least half of 1/SPS(b) (b the bucket that runs B); the policies then also search a cap on every ℓ_r.
 class ThroughputProfile {
  public:
   ThroughputProfile() = default;
@@ -36,6 +41,16 @@ class ThroughputProfile {
   // Errors: kProfile naming the problem.
   static Status Create(std::vector<int64_t> buckets, std::vector<double> steps_per_s, ThroughputProfile* out,
                        std::vector<int64_t> draft_requests = {}, std::vector<double> draft_ms = {});
+  // The layout fit: c_a (ms per padded query row per KV entry) and c_kv (ms per slot per KV entry), both
+  // finite ≥ 0, and the (S_b, Q_b, P_b) each bucket was timed at, one per bucket, each ≥ 1.
+  // Errors: kProfile naming the problem.
+  Status SetLayoutCost(double attention_ms, double kv_read_ms, std::vector<std::array<int64_t, 3>> layout);
+  // A copy bound to a step layout: S slots, KV capacity P (both ≥ 1).
+  ThroughputProfile At(int64_t num_slots, int64_t kv_capacity) const;
+  // Whether step latencies depend on the layout: a fit, and a layout bound with At.
+  bool has_layout_cost() const;
+  // t(B, w) in seconds (above); 1/SPS(B) without a layout cost; infinity beyond the largest bucket.
+  double StepSeconds(int64_t num_tokens, int64_t width) const;
   // From the text of profile/sps.json: its "target" rows {"B": int, "sps": number, ...}, any order, and
   // (with use_drafter) its "drafter_block" rows {"R": int, "median_ms": number, ...}.
   static Status FromSpsJson(const std::string& json_text, ThroughputProfile* out, bool use_drafter = true);
@@ -57,6 +72,12 @@ class ThroughputProfile {
   std::vector<int64_t> draft_requests_;
   std::vector<double> draft_ms_;
   std::vector<double> effective_;  // suffix maximum of steps_per_s_, then a trailing 0
+  std::vector<size_t> best_;       // index of the bucket that runs each bucket's B (the fastest at or above it)
+  double attention_ms_ = 0.0;
+  double kv_read_ms_ = 0.0;
+  std::vector<std::array<int64_t, 3>> layout_;
+  int64_t num_slots_ = 0;    // 0: not bound
+  int64_t kv_capacity_ = 0;
 };
 
 // A row-major [rows, cols] float32 matrix view (not owned).

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Segment", "PackedBatch", "pack_segments"]
+__all__ = ["Segment", "PackedBatch", "pack_segments", "padded_width"]
 
 
 @dataclass
@@ -98,11 +98,18 @@ def pack_segments(segments: list[Segment], num_slots: int, cache_lens: np.ndarra
     return PackedBatch(feed, row_start, logit_start, total, np.flatnonzero(real))
 
 
+def padded_width(longest, bucket, num_slots):
+    """Q, the query width every slot is padded to in `pack_segments`: max(longest segment, ⌈N / S⌉) for N =
+    `bucket` rows over S = `num_slots` slots; the graph attends S × Q query rows. Works elementwise on
+    numpy int arrays."""
+    return np.maximum(longest, -(-np.asarray(bucket) // num_slots))
+
+
 def _spread_padding(lengths: np.ndarray, pad: int) -> np.ndarray:
     """Per-slot query lengths [S] after adding `pad` padding rows: every slot is filled up to the width
     max(max(lengths), ⌈(Σ lengths + pad) / S⌉), in slot order, until the padding runs out; so no slot's
     query grows past that width."""
-    width = max(int(lengths.max()), -(-(int(lengths.sum()) + pad) // len(lengths)))
+    width = int(padded_width(int(lengths.max()), int(lengths.sum()) + pad, len(lengths)))
     room = width - lengths
     before = np.cumsum(room) - room                   # room in the slots before each one
     return lengths + np.clip(pad - before, 0, room)

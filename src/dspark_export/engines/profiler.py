@@ -8,6 +8,17 @@ the median, p10 and p90 of the timed runs are kept. SPS(B) = 1000 / median_ms.
 
 A table whose latency falls as B grows (beyond the p10-p90 spread) is reported in `warnings`,
 not silently used.
+
+SPS(B) alone misprices steps whose layout differs from the profiled one: the target graph pads every
+slot's query to the longest one and attends S × Q query rows over the whole KV buffer of capacity P.
+So each target row also records the layout it was timed at (S slots, padded query width Q, KV capacity
+P), and `measure_layout_cost` fits, by least squares over a few layouts at two capacities,
+
+    t = T(N) + c_a · S·Q·P + c_kv · S·P      (ms; T(N) one free term per bucket N),
+
+stored as sps.json's `attention` section: `ms_per_row_entry` (c_a), `ms_per_slot_entry` (c_kv), the
+layouts with their measured and fitted latencies, and the largest relative error of the fit.
+`runtime.scheduler.ThroughputProfile` prices a step's layout with it.
 """
 
 from __future__ import annotations
@@ -23,7 +34,9 @@ import onnxruntime as ort
 from .engine_set import EngineSet
 from .packing import Segment, pack_segments
 
-__all__ = ["measure_profile", "time_runner", "engine_feed"]
+__all__ = ["measure_profile", "measure_layout_cost", "time_runner", "engine_feed"]
+
+_FIT_WARN = 0.25   # a layout fit whose largest relative error exceeds this is reported in `warnings`
 
 
 def time_runner(runner, feed: dict, warmup: int, repeats: int) -> dict:
@@ -41,11 +54,15 @@ def time_runner(runner, feed: dict, warmup: int, repeats: int) -> dict:
 
 
 def _kv_feed(spec: dict, num: int, capacity: int, key: str, value: str) -> dict:
+    """One written buffer per layer and per K/V, as the runtime's cache holds them. Why not one shared
+    zero buffer: pages np.zeros never wrote all map the same physical zero page, and one buffer for every
+    layer stays in the CPU caches, so both time the attention reads too fast (SmolLM2, S = 16, P = 1,024,
+    one pass: 143 ms over one shared zero buffer, 192 ms over written per-layer buffers)."""
     shape = (num, spec["num_kv_heads"], capacity, spec["head_dim"])
-    buf = np.zeros(shape, np.float32)
     feed = {}
     for layer in range(spec["num_layers"]):
-        feed[f"{key}.{layer}"], feed[f"{value}.{layer}"] = buf, buf
+        feed[f"{key}.{layer}"] = np.full(shape, 0.01, np.float32)
+        feed[f"{value}.{layer}"] = np.full(shape, 0.01, np.float32)
     return feed
 
 
@@ -53,9 +70,21 @@ def _target_feed(spec: dict, bucket: int, context_len: int, block: int) -> dict:
     width = block + 1
     num = math.ceil(bucket / width)
     sizes = [width] * (num - 1) + [bucket - width * (num - 1)]
+    return _layout_feed(spec, sizes, num, context_len + width, context_len, bucket)
+
+
+def _layout_feed(spec: dict, sizes: list[int], num_slots: int, capacity: int, context_len: int, bucket: int) -> dict:
+    """Segments of `sizes` rows in the first slots of `num_slots`, each at past length `context_len`, over a
+    zero KV buffer of `capacity` entries per slot, packed into `bucket` rows."""
     segments = [Segment(r, np.ones(q, np.int64), context_len) for r, q in enumerate(sizes)]
-    packed = pack_segments(segments, num, np.full(num, context_len, np.int64), bucket)
-    return {**packed.feed, **_kv_feed(spec, num, context_len + width, "past_key", "past_value")}
+    packed = pack_segments(segments, num_slots, np.full(num_slots, context_len, np.int64), bucket)
+    return {**packed.feed, **_kv_feed(spec, num_slots, capacity, "past_key", "past_value")}
+
+
+def _layout_of(feed: dict) -> dict:
+    """{"S", "Q", "P"} of a target feed: slots, padded query width, KV capacity."""
+    s, q = feed["pad_index"].shape
+    return {"S": int(s), "Q": int(q), "P": int(feed["past_key.0"].shape[2])}
 
 
 def _block_feed(spec: dict, num: int, context_len: int, block: int) -> dict:
@@ -118,6 +147,60 @@ def _check_monotone(rows: list[dict], dim: str) -> list[str]:
     return warnings
 
 
+def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int = 2, repeats: int = 6,
+                        progress: Callable[[str], None] | None = None) -> dict:
+    """Fit what padded attention costs on the target engines (module docstring): c_a and c_kv.
+
+    Layouts (w = γ + 1 rows per verification, S_max = the most slots a step can have): one slot of w
+    rows; S_max slots of 1 row; S_max slots of which two verify w rows; 2 slots of w rows; each at KV
+    capacity P1 = context_len + w and P2 = min(max(4 · P1, 1024), max_context), at past length P - w. Why
+    P2 ≥ 1024: the cost per entry grows past the caches' reach (SmolLM2: a fit up to P = 544 predicted
+    the P = 1,024 layouts up to 33 % low, `scripts/bench_layout_cost.py`). Layouts that
+    do not fit the largest bucket are left out. Negative coefficients (noise on a model whose attention
+    costs nothing measurable) are set to 0 after the fit.
+
+    Args:
+        engines: the engine set.
+        context_len: as `measure_profile`.
+        warmup: untimed runs per layout. Defaults to 2.
+        repeats: timed runs per layout. Defaults to 6.
+        progress: called with a short label before each layout.
+    Returns:
+        {"ms_per_row_entry", "ms_per_slot_entry", "max_error_pct", "layouts": [{"S", "Q", "P", "N", "rows",
+        "median_ms", "p10_ms", "p90_ms", "repeats", "fit_ms"}]}.
+    """
+    graphs, runtime = engines.manifest.data["graphs"], engines.manifest.runtime
+    spec, w = graphs["target"]["spec"], graphs["drafter_block"]["spec"]["block_size"] + 1
+    buckets = engines.buckets("target")
+    s_max = max(1, min(engines.buckets("drafter_block")[-1], buckets[-1] // w))
+    shapes = [(1, [w]), (s_max, [1] * s_max), (s_max, [w, w]), (2, [w, w])]
+    p1 = context_len + w
+    capacities = sorted({p1, max(p1, min(max(4 * p1, 1024), int(runtime["max_context"])))})
+    rows = []
+    for cap in capacities:
+        for num, sizes in shapes:
+            if num < len(sizes) or sum(sizes) > buckets[-1]:
+                continue
+            n = next(b for b in buckets if b >= sum(sizes))
+            if progress:
+                progress(f"attention S={num} rows={sum(sizes)} P={cap}")
+            feed = _layout_feed(spec, sizes, num, cap, cap - w, n)
+            stats = time_runner(engines.runner_exact("target", n), feed, warmup, repeats)
+            rows.append({**_layout_of(feed), "N": n, "rows": sum(sizes), **stats})
+    if not rows:
+        return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": []}
+    ns = sorted({r["N"] for r in rows})
+    x = np.array([[float(r["N"] == n) for n in ns] + [r["S"] * r["Q"] * r["P"], r["S"] * r["P"]] for r in rows])
+    y = np.array([r["median_ms"] for r in rows])
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    coef[-2:] = np.maximum(coef[-2:], 0.0)
+    fit = x @ coef
+    for r, f in zip(rows, fit):
+        r["fit_ms"] = round(float(f), 3)
+    return {"ms_per_row_entry": float(coef[-2]), "ms_per_slot_entry": float(coef[-1]),
+            "max_error_pct": round(float(np.max(np.abs(fit / y - 1.0))) * 100, 2), "layouts": rows}
+
+
 def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3, repeats: int = 10,
                     progress: Callable[[str], None] | None = None) -> dict:
     """Time every target bucket (SPS table) and every drafter-block bucket.
@@ -140,19 +223,23 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
     for b in engines.buckets("target"):
         if progress:
             progress(f"target B={b} ({eta.text(len(rows_t))})")
-        stats = time_runner(engines.runner_exact("target", b), _target_feed(target, b, context_len, block), warmup, repeats)
-        rows_t.append({"B": b, **stats, "sps": round(1000.0 / stats["median_ms"], 3)})
+        feed = _target_feed(target, b, context_len, block)
+        stats = time_runner(engines.runner_exact("target", b), feed, warmup, repeats)
+        rows_t.append({"B": b, **stats, "sps": round(1000.0 / stats["median_ms"], 3), **_layout_of(feed)})
     for r in engines.buckets("drafter_block"):
         if progress:
             progress(f"drafter R={r} ({eta.text(len(rows_t) + len(rows_d))})")
         feed = _block_feed(graphs["drafter_block"]["spec"], r, context_len, block)
         rows_d.append({"R": r, **time_runner(engines.runner_exact("drafter_block", r), feed, warmup, repeats)})
+    attention = measure_layout_cost(engines, context_len, progress=progress)
+    fit_warn = [f"attention: the layout fit is off by up to {attention['max_error_pct']} % on the measured layouts"] \
+        if attention["max_error_pct"] > 100 * _FIT_WARN else []
     return {
         "context_len": context_len, "block_size": block, "warmup": warmup, "repeats": repeats,
         "layout": "R = ceil(B/(block_size+1)) requests, each verifying up to block_size+1 rows, logits for every row",
         "device": engines.device_info() if hasattr(engines, "device_info") else
         {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
          "backend": "onnxruntime", "onnxruntime": ort.__version__, "providers": ["CPUExecutionProvider"]},
-        "target": rows_t, "drafter_block": rows_d,
-        "warnings": _check_monotone(rows_t, "B") + _check_monotone(rows_d, "R"),
+        "target": rows_t, "drafter_block": rows_d, "attention": attention,
+        "warnings": _check_monotone(rows_t, "B") + _check_monotone(rows_d, "R") + fit_warn,
     }

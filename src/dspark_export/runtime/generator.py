@@ -145,6 +145,7 @@ class Generator:
         self.max_slots = min(max_slots or engines.buckets("drafter_block")[-1], engines.buckets("drafter_block")[-1],
                              self.max_tokens // (self.block_size + 1))
         self.profile = _load_profile(engines) if policy.needs_profile else None
+        self._bound_profile: tuple[tuple[int, int], ThroughputProfile] | None = None  # `_step_profile`'s cache
         self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
         self._skipped, self._probe_interval = 0, _MIN_PROBE_INTERVAL  # dspark-async drafter skipping
         self._probe_left = 0  # drafted steps left in the current probe
@@ -501,13 +502,23 @@ class Generator:
             return False
         if self._survival_mean is None:
             return False
-        if mean_survival_capacity(np.broadcast_to(self._survival_mean, (R, self.block_size)), R, self.profile,
-                                  _SKIP_MARGIN, draft_slots=self.num_slots) > 0:
+        if mean_survival_capacity(np.broadcast_to(self._survival_mean, (R, self.block_size)), R,
+                                  self._step_profile(), _SKIP_MARGIN, draft_slots=self.num_slots) > 0:
             self._probe_interval = _MIN_PROBE_INTERVAL
             return False
         self._skipped += 1
         self.drafts_skipped += 1
         return True
+
+    def _step_profile(self) -> ThroughputProfile | None:
+        """The profile bound to this step's layout (slot count S, target KV capacity P), so the policies
+        price padded attention where the profile measured it (`ThroughputProfile.at`); cached per layout."""
+        if self.profile is None:
+            return None
+        key = (self.num_slots, self.target_kv.capacity)
+        if self._bound_profile is None or self._bound_profile[0] != key:
+            self._bound_profile = (key, self.profile.at(*key))
+        return self._bound_profile[1]
 
     def _probe_floor(self, num_requests: int, num_slots: int) -> int:
         """The fewest skipped steps between dspark-async probes for R requests in S slots: enough that a
@@ -630,7 +641,7 @@ class Generator:
             return {int(slot): 0 for slot in slots}, None
         conf = drafts["confidence"][slots]
         lag = self._history[0] if len(self._history) == 2 else None
-        lens = self.policy.verify_lengths(conf, self.block_size, self.profile, lag, caps)
+        lens = self.policy.verify_lengths(conf, self.block_size, self._step_profile(), lag, caps)
         return {int(slot): int(n) for slot, n in zip(slots, np.minimum(lens, caps))}, conf
 
     def _emit(self, s: _State, tokens: list[int], rounds: int) -> None:

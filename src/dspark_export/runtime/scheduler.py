@@ -11,6 +11,11 @@ Quantities (positions j = 1..γ, column j-1 of the arrays):
     SPS(B)   target steps per second at B verification tokens (profile, staircase over buckets);
     Θ        = τ · SPS(B), expected tokens per second: tokens per step ÷ step latency.
 
+Where the profile also measured what padded attention costs (`ThroughputProfile.at`, sps.json's
+`attention` section), a step's target latency depends on its layout, not on B alone: the graph pads
+every slot's query to the longest one, so one request verifying 7 drafts next to 15 decoding ones
+attends 16 × 8 query rows. The policies then also search a cap L on every ℓ_r (see `_best_plan`).
+
 Because a[r, j] is non-increasing in j, the K candidates (r, j) with the largest survivals always form
 a prefix of every request's block (ties broken by lower j first, then lower r), so a capacity K
 fixes the lengths: ℓ_r = number of request r's positions among the top K.
@@ -24,11 +29,12 @@ A global argmax over K on the *current* confidences does not (Appendix A; see th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
 
+from ..engines.packing import padded_width
 from ..errors import ProfileError
 
 __all__ = ["ThroughputProfile", "survival_probs", "expected_throughput", "search_capacity",
@@ -53,23 +59,53 @@ class ThroughputProfile:
     and deciding without it admits drafts that cost more than they return. Without drafter rows the
     formulas are the paper's, bit for bit.
 
+    Layout cost (optional): the target graph pads every slot's query to the longest one and attends
+    S × Q query rows over the whole KV buffer of capacity P (docs/ARCHITECTURE.md, target.onnx), so a
+    step's latency depends on the slots S, the padded width Q and P, not on B alone. Where the profiler
+    measured it (`attention_ms`, `kv_read_ms` and the layout (S_b, Q_b, P_b) each bucket was timed at),
+    a profile bound to the runtime's layout with `at(S, P)` prices a step whose longest request
+    verifies w - 1 drafts at
+
+        t(B, w) = 1/SPS(b) + [c_a · (S·Q·P - S_b·Q_b·P_b) + c_kv · (S·P - S_b·P_b)] / 1000 s,
+
+    b the bucket that runs B tokens, Q = max(w, ⌈b / S⌉) (`engines.packing.padded_width`), c_a the ms
+    per padded query row per KV entry, c_kv the ms per slot per KV entry (`engines.profiler`, a least-
+    squares fit over layouts). The correction never takes a step below half its profiled latency.
+    SmolLM2 on 2 CPU cores, S = 16, P = 256 (`scripts/bench_layout_cost.py`): 16 rows of 1 took 53.2 ms,
+    one row of 8 and 15 of 1 (B = 23) 111.8 ms, 16 rows of 2 (B = 32) 86.1 ms; the profile's fit
+    (c_a = 1.10e-3, c_kv = 2.26e-3 ms) predicts 47.4, 99.1 and 72.1 ms, where SPS(B) alone prices the
+    last two alike (59.9 ms, the B = 32 bucket).
+
     Args:
         buckets: bucket sizes B in tokens, strictly increasing, each ≥ 1.
         steps_per_s: SPS of each bucket in steps/s, each > 0 and finite.
         draft_requests: request buckets R of the drafter block, strictly increasing, each ≥ 1 (optional).
         draft_ms: the drafter block's latency at each of them, ms, each ≥ 0 and finite.
+        attention_ms: c_a, ms per padded query row per KV entry, ≥ 0 (optional; 0 without a fit).
+        kv_read_ms: c_kv, ms per slot per KV entry, ≥ 0 (optional).
+        profiled_layout: (S_b, Q_b, P_b) each bucket was timed at, one per bucket, each ≥ 1 (optional).
+        num_slots: S of the runtime's step, or None (then no layout cost; see `at`).
+        kv_capacity: P of the runtime's KV buffer, or None.
     Raises:
-        ProfileError: empty table, unsorted or duplicate buckets, non-positive SPS, length mismatch.
+        ProfileError: empty table, unsorted or duplicate buckets, non-positive SPS, length mismatch,
+            negative or non-finite layout coefficients, a layout row per bucket missing or below 1.
     """
 
     buckets: tuple[int, ...]
     steps_per_s: tuple[float, ...]
     draft_requests: tuple[int, ...] = ()
     draft_ms: tuple[float, ...] = ()
+    attention_ms: float = 0.0
+    kv_read_ms: float = 0.0
+    profiled_layout: tuple[tuple[int, int, int], ...] = ()
+    num_slots: int | None = None
+    kv_capacity: int | None = None
     _b: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
     _dense: np.ndarray = field(init=False, repr=False, compare=False)
     _draft_r: np.ndarray = field(init=False, repr=False, compare=False)
+    _dense_idx: np.ndarray = field(init=False, repr=False, compare=False)
+    _layout: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         b = np.asarray(self.buckets, np.int64)
@@ -99,6 +135,27 @@ class ThroughputProfile:
         # the scheduler reads SPS(R..R+n) as one slice instead of a search per step.
         object.__setattr__(self, "_dense", self._s[np.searchsorted(b, np.arange(b[-1] + 2), side="left")])
         object.__setattr__(self, "_draft_r", d_r)
+        # the bucket that runs each B = 0..max+1: the fastest at or above it (index len(b) beyond the largest)
+        best = np.empty(b.size + 1, np.int64)
+        best[-1] = b.size
+        for i in range(b.size - 1, -1, -1):
+            best[i] = i if i == b.size - 1 or s[i] >= s[best[i + 1]] else best[i + 1]
+        object.__setattr__(self, "_dense_idx", best[np.searchsorted(b, np.arange(b[-1] + 2), side="left")])
+        layout = np.asarray(self.profiled_layout, np.int64).reshape(-1, 3) if self.profiled_layout else np.zeros((0, 3), np.int64)
+        if layout.size and (layout.shape[0] != b.size or np.any(layout < 1)):
+            raise ProfileError(f"profile: expected one (slots, query width, KV capacity) ≥ 1 per bucket "
+                               f"({b.size}), found {self.profiled_layout!r}")
+        for name in ("attention_ms", "kv_read_ms"):
+            v = float(getattr(self, name))
+            if not (np.isfinite(v) and v >= 0):
+                raise ProfileError(f"profile: {name} must be finite and ≥ 0 ms, found {getattr(self, name)!r}")
+            object.__setattr__(self, name, v)
+        for name in ("num_slots", "kv_capacity"):
+            v = getattr(self, name)
+            if v is not None and int(v) < 1:
+                raise ProfileError(f"profile: {name} must be ≥ 1 or None, found {v!r}")
+        object.__setattr__(self, "profiled_layout", tuple(tuple(int(x) for x in row) for row in layout))
+        object.__setattr__(self, "_layout", layout)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], use_drafter: bool = True) -> "ThroughputProfile":
@@ -112,17 +169,62 @@ class ThroughputProfile:
         if not rows:
             raise ProfileError("profile: expected an sps.json object with a non-empty 'target' list of rows")
         try:
-            pairs = sorted((int(row["B"]), float(row["sps"])) for row in rows)
+            rows = sorted(rows, key=lambda row: int(row["B"]))
+            pairs = [(int(row["B"]), float(row["sps"])) for row in rows]
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"profile: every 'target' row needs an integer 'B' and a numeric 'sps' ({e!r})") from e
+        fit, layout = data.get("attention") or {}, ()
+        if fit:
+            try:
+                layout = tuple((int(row["S"]), int(row["Q"]), int(row["P"])) for row in rows)
+                c_a, c_kv = float(fit["ms_per_row_entry"]), float(fit["ms_per_slot_entry"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ProfileError(f"profile: an 'attention' fit needs numeric 'ms_per_row_entry' and "
+                                   f"'ms_per_slot_entry', and every 'target' row integer 'S', 'Q', 'P' ({e!r})") from e
         drafts = data.get("drafter_block") or []
         try:
             dpairs = sorted((int(row["R"]), float(row["median_ms"])) for row in drafts) if use_drafter else []
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"profile: every 'drafter_block' row needs an integer 'R' and a numeric "
                                f"'median_ms' ({e!r})") from e
+        extra = {"attention_ms": c_a, "kv_read_ms": c_kv, "profiled_layout": layout} if fit else {}
         return cls(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs),
-                   tuple(p[0] for p in dpairs), tuple(p[1] for p in dpairs))
+                   tuple(p[0] for p in dpairs), tuple(p[1] for p in dpairs), **extra)
+
+    def at(self, num_slots: int, kv_capacity: int) -> "ThroughputProfile":
+        """This profile bound to a step layout: S slots (the rows of the KV buffer the target pass reads)
+        and KV capacity P (entries per slot). The policies then price the layout cost (class docstring)
+        where the profile has one; otherwise the result prices exactly as this profile does."""
+        return replace(self, num_slots=int(num_slots), kv_capacity=int(kv_capacity))
+
+    @property
+    def has_layout_cost(self) -> bool:
+        """Whether step latencies depend on the layout: a measured fit, and a layout bound with `at`."""
+        return bool(self.profiled_layout) and self.num_slots is not None and self.kv_capacity is not None \
+            and (self.attention_ms > 0 or self.kv_read_ms > 0)
+
+    def step_seconds(self, num_tokens, widths=None) -> np.ndarray:
+        """Target-pass latency of steps, s: 1/SPS(B), plus the layout correction (class docstring) where
+        `has_layout_cost` and `widths` are given; inf beyond the largest bucket.
+
+        Args:
+            num_tokens: [n] int verification tokens B of each step (≥ 0).
+            widths: [n] int, 1 + the longest verify length ℓ of each step (its longest segment), or None.
+        Returns:
+            [n] float64 seconds.
+        """
+        tokens = np.minimum(np.asarray(num_tokens, np.int64), self._dense_idx.size - 1)
+        idx = self._dense_idx[tokens]
+        runs = idx < len(self.buckets)
+        i = np.minimum(idx, len(self.buckets) - 1)
+        base = np.where(runs, 1.0 / np.asarray(self.steps_per_s)[i], np.inf)
+        if widths is None or not self.has_layout_cost:
+            return base
+        S, P = self.num_slots, self.kv_capacity
+        q = padded_width(np.asarray(widths, np.int64), np.asarray(self.buckets)[i], S)
+        sb, qb, pb = self._layout[i].T
+        corr = (self.attention_ms * (S * q * P - sb * qb * pb) + self.kv_read_ms * (S * P - sb * pb)) / 1000.0
+        return np.where(runs, np.maximum(base + corr, 0.5 * base), np.inf)
 
     @property
     def has_draft_cost(self) -> bool:
@@ -205,27 +307,63 @@ def _sorted_candidates(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _throughputs(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile,
-                 draft_at_zero: bool = True, draft_slots: int | None = None) -> np.ndarray:
+                 draft_at_zero: bool = True, draft_slots: int | None = None,
+                 depth: np.ndarray | None = None) -> np.ndarray:
     """Θ_k for k = 0..n, as [n+1] float64, τ_k = R + Σ_{i ≤ k} ranked_i:
 
     without drafter cost, Θ_k = τ_k · SPS(R + k) (paper Algorithm 1);
     with it, Θ_k = τ_k / (1/SPS(R + k) + d(S)), S = `draft_slots` (the rows the drafter block runs
     over; R when None), where k = 0 pays d(S) only if `draft_at_zero` (the drafts already exist:
     Algorithm 1's cost is sunk) and not when the step may skip the drafter.
+    With a layout cost (`ThroughputProfile.has_layout_cost`) and `depth` ([n] int, the position j of
+    each ranked candidate), 1/SPS(R + k) becomes t(R + k, w_k), w_k = 1 + max depth of the first k.
     """
     tau = np.empty(ranked.size + 1)
     tau[0] = 0.0
     np.cumsum(ranked, out=tau[1:])
     tau += num_requests
-    sps = profile.sps_range(num_requests, ranked.size + 1)
-    if not profile.has_draft_cost:
-        return tau * sps
-    with np.errstate(divide="ignore"):
-        step_s = np.where(sps > 0, 1.0 / np.where(sps > 0, sps, 1.0), np.inf)
+    if depth is not None and profile.has_layout_cost:
+        widths = np.ones(ranked.size + 1, np.int64)
+        if ranked.size:
+            widths[1:] += np.maximum.accumulate(depth)
+        step_s = profile.step_seconds(num_requests + np.arange(ranked.size + 1), widths)
+    else:
+        sps = profile.sps_range(num_requests, ranked.size + 1)
+        if not profile.has_draft_cost:
+            return tau * sps
+        with np.errstate(divide="ignore"):
+            step_s = np.where(sps > 0, 1.0 / np.where(sps > 0, sps, 1.0), np.inf)
     draft = np.full(step_s.shape, profile.draft_seconds(num_requests if draft_slots is None else draft_slots))
     if not draft_at_zero:
         draft[0] = 0.0
     return tau / (step_s + draft)
+
+
+def _best_plan(survival: np.ndarray, num_requests: int, profile: ThroughputProfile, draft_at_zero: bool,
+               draft_slots: int | None = None) -> tuple[int, int, float, float]:
+    """Global search (no early stop): (K*, L*, Θ(K*), Θ(0)) over the candidates of `survival` [R', γ].
+
+    Without a layout cost, L* = γ and K* = argmax_k Θ_k over all ranked candidates (§5.2). With one,
+    the search also caps every verify length at L = 1..γ: for each L, Θ over the ranked candidates with
+    j ≤ L, and the best (L, K) overall (the smallest L, then the smallest K, on ties). Why: the top-K by
+    survival can stack one confident request's drafts, and its long segment pads every slot's query
+    (16 slots, one request verifying 7: 16 × 8 query rows); a cap trades those deep drafts for shallow
+    ones of other requests. Θ_0 does not depend on L.
+    """
+    order, ranked = _sorted_candidates(survival)
+    if not profile.has_layout_cost:
+        theta = _throughputs(ranked, num_requests, profile, draft_at_zero, draft_slots)
+        k = int(np.argmax(theta))
+        return k, survival.shape[1], float(theta[k]), float(theta[0])
+    depth = order // max(survival.shape[0], 1) + 1
+    best = None
+    for cap in range(1, int(depth.max(initial=1)) + 1):
+        keep = depth <= cap
+        theta = _throughputs(ranked[keep], num_requests, profile, draft_at_zero, draft_slots, depth[keep])
+        k = int(np.argmax(theta))
+        if best is None or theta[k] > best[2]:
+            best = (k, cap, float(theta[k]), float(theta[0]))
+    return best
 
 
 def search_capacity(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile, early_stop: bool,
@@ -257,7 +395,8 @@ def top_k_lengths(order: np.ndarray, num_requests: int, k: int) -> np.ndarray:
 
 def expected_throughput(confidence: np.ndarray, lengths: np.ndarray, profile: ThroughputProfile) -> float:
     """Θ = τ · SPS(B) of an allocation, τ = Σ_r (1 + Σ_{j ≤ ℓ_r} a[r, j]), B = Σ_r (1 + ℓ_r); tokens/s.
-    With the drafter cost known: Θ = τ / (1/SPS(B) + d(R)) (the drafts were made).
+    With the drafter cost known: Θ = τ / (1/SPS(B) + d(R)) (the drafts were made). With a layout cost,
+    1/SPS(B) becomes t(B, 1 + max ℓ) (`ThroughputProfile.step_seconds`).
 
     Args:
         confidence: [R, γ] float32 conditional confidences.
@@ -268,6 +407,10 @@ def expected_throughput(confidence: np.ndarray, lengths: np.ndarray, profile: Th
     lengths = np.asarray(lengths)
     taken = np.arange(a.shape[1])[None, :] < lengths[:, None]
     tau = a.shape[0] + a[taken].sum()
+    if profile.has_layout_cost:
+        width = 1 + int(lengths.max(initial=0))
+        step_s = float(profile.step_seconds([int(a.shape[0] + lengths.sum())], [width])[0])
+        return float(tau / (step_s + profile.draft_seconds(a.shape[0])))
     sps = profile.sps(int(a.shape[0] + lengths.sum()))
     if not profile.has_draft_cost:
         return float(tau * sps)
@@ -284,7 +427,8 @@ def dspark_lengths(confidence: np.ndarray, profile: ThroughputProfile,
     The early stop makes the admission of (r, j) a function of the sorted list up to (r, j) only,
     which never contains (r, j' > j): the scheduler is non-anticipating. It reaches the global
     maximum of Θ only where Θ is unimodal along the greedy path (smooth SPS); a staircase cliff can
-    stop it early (see `dspark_async_lengths`).
+    stop it early (see `dspark_async_lengths`). With a layout cost (`ThroughputProfile.at`), each
+    prefix is priced at t(B, 1 + its longest ℓ) instead of 1/SPS(B); still a function of the prefix.
 
     Worked example: c = [[0.9, 0.8, 0.5], [0.6, 0.5, 0.9]] → a = [[0.9, 0.72, 0.36], [0.6, 0.3, 0.27]];
     buckets {2: 100, 4: 90, 8: 75} steps/s. Θ_0 = 2·100 = 200; admit 0.9 → B=3 (bucket 4):
@@ -300,7 +444,11 @@ def dspark_lengths(confidence: np.ndarray, profile: ThroughputProfile,
     """
     a = survival_probs(confidence, max_lengths)
     order, ranked = _sorted_candidates(a)
-    return top_k_lengths(order, a.shape[0], search_capacity(ranked, a.shape[0], profile, early_stop=True))
+    if not profile.has_layout_cost:
+        return top_k_lengths(order, a.shape[0], search_capacity(ranked, a.shape[0], profile, early_stop=True))
+    theta = _throughputs(ranked, a.shape[0], profile, depth=order // max(a.shape[0], 1) + 1)
+    stops = np.flatnonzero(theta[1:] <= theta[:-1])
+    return top_k_lengths(order, a.shape[0], int(stops[0]) if stops.size else ranked.size)
 
 
 def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray | None, profile: ThroughputProfile,
@@ -310,7 +458,9 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
     K* = argmax_K Θ(K), Θ(K) = τ(K)·SPS(R + K), τ(K) = R + sum of the K largest lagged survivals,
     searched over every K with NO early stop, so staircase cliffs of SPS(B) do not trap it (R is the
     current number of requests). The step then verifies the K* candidates with the largest CURRENT
-    survivals (rank-preserving; fewer if fewer have a > 0). K* does not depend on this step's draws,
+    survivals (rank-preserving; fewer if fewer have a > 0). With a layout cost, the search also picks a
+    cap L* on every ℓ_r from the lagged survivals (`_best_plan`) and the top-K* are taken among the
+    current candidates with j ≤ L*. K* (and L*) do not depend on this step's draws,
     and the top-K of the current survivals admits (r, j) from the candidates ranked above it only, so
     the step is non-anticipating. Without history (lagged_confidence None: the first steps) it falls
     back to `dspark_lengths` on the current confidences, never to a global search on them, which
@@ -332,8 +482,11 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
     """
     if lagged_confidence is None:
         return dspark_lengths(confidence, profile, max_lengths)
-    a = survival_probs(confidence, max_lengths)
-    k = dspark_async_capacity(lagged_confidence, a.shape[0], profile)
+    R = np.asarray(confidence).shape[0]
+    k, cap, _, _ = _best_plan(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")), R,
+                              profile, draft_at_zero=False)
+    limit = np.full(R, cap, np.int64) if max_lengths is None else np.minimum(np.asarray(max_lengths), cap)
+    a = survival_probs(confidence, limit)
     order, _ = _sorted_candidates(a)
     return top_k_lengths(order, a.shape[0], k)
 
@@ -380,10 +533,8 @@ def _skippable_capacity(survival: np.ndarray, num_requests: int, profile: Throug
                         margin: float = 0.0, draft_slots: int | None = None) -> int:
     """K* = argmax_K Θ(K) over every survival of `survival` ranked together, no early stop, K = 0 priced
     without the drafter (a step that verifies nothing need not draft); 0 unless Θ(K*) ≥ (1 + margin) Θ(0)."""
-    ranked = np.sort(survival.ravel())[::-1]
-    theta = _throughputs(ranked[ranked > 0], num_requests, profile, draft_at_zero=False, draft_slots=draft_slots)
-    k = int(np.argmax(theta))
-    return k if theta[k] >= (1.0 + margin) * theta[0] else 0
+    k, _, best, zero = _best_plan(survival, num_requests, profile, draft_at_zero=False, draft_slots=draft_slots)
+    return k if best >= (1.0 + margin) * zero else 0
 
 
 def dspark_async_capacity(lagged_confidence: np.ndarray, num_requests: int, profile: ThroughputProfile) -> int:
@@ -400,5 +551,5 @@ def dspark_async_capacity(lagged_confidence: np.ndarray, num_requests: int, prof
     Returns:
         K* ≥ 0, the number of draft positions to verify this step.
     """
-    return _skippable_capacity(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")),
-                               num_requests, profile)
+    return _best_plan(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")), num_requests,
+                      profile, draft_at_zero=False)[0]

@@ -1,0 +1,194 @@
+"""The layout cost of a step: padded attention priced by the profile and searched by the policies
+(runtime/scheduler.py ThroughputProfile.at / step_seconds / _best_plan, engines/profiler.py
+measure_layout_cost, Generator._step_profile)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from dspark_export.engines.packing import Segment, pack_segments, padded_width
+from dspark_export.errors import ProfileError
+from dspark_export.runtime.policies import parse_policy
+from dspark_export.runtime.request import SamplingParams
+from dspark_export.runtime.scheduler import (ThroughputProfile, dspark_async_lengths, dspark_lengths,
+                                             expected_throughput, mean_survival_capacity)
+
+from ..test_pipeline import BUCKETS, PROMPTS  # noqa: F401  (same tiny engine directory)
+from ..test_pipeline import engine_dir, runtime  # noqa: F401  (module fixtures)
+from .test_policies import GAMMA, _count_anticipations, _random_confidence
+
+POW2 = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _layout_profile(c_a=1.2e-3, c_kv=0.8e-3, slots=16, capacity=256, draft=False) -> ThroughputProfile:
+    """SmolLM2-like: the profiler's layout (⌈B/8⌉ slots of up to 8 rows, P = 136), latency 20 + 1.4·B ms."""
+    layout = tuple((-(-b // 8), min(b, 8), 136) for b in POW2)
+    extra = dict(draft_requests=(1, 4, 16), draft_ms=(5.0, 8.0, 30.0)) if draft else {}
+    return ThroughputProfile(POW2, tuple(1000.0 / (20.0 + 1.4 * b) for b in POW2), attention_ms=c_a, kv_read_ms=c_kv,
+                             profiled_layout=layout, **extra).at(slots, capacity)
+
+
+def test_step_seconds_formula():
+    p = _layout_profile()
+    # B = 23 runs bucket 32 (profiled at S=4, Q=8, P=136); the longest request verifies 7 drafts: w = 8.
+    base = (20.0 + 1.4 * 32) / 1000
+    corr = (1.2e-3 * (16 * 8 * 256 - 4 * 8 * 136) + 0.8e-3 * (16 * 256 - 4 * 136)) / 1000
+    assert p.step_seconds([23], [8])[0] == pytest.approx(base + corr, rel=1e-12)
+    # 16 rows of 2 in bucket 32: Q = max(2, ⌈32/16⌉) = 2, so the same B costs far less.
+    spread = (1.2e-3 * (16 * 2 * 256 - 4 * 8 * 136) + 0.8e-3 * (16 * 256 - 4 * 136)) / 1000
+    assert p.step_seconds([32], [2])[0] == pytest.approx(base + spread, rel=1e-12)
+    assert p.step_seconds([129], [1])[0] == np.inf                      # beyond the largest bucket
+    # unbound, or without widths: 1/SPS(B) exactly
+    unbound = ThroughputProfile(p.buckets, p.steps_per_s, attention_ms=1.2e-3, kv_read_ms=0.8e-3,
+                                profiled_layout=p.profiled_layout)
+    assert not unbound.has_layout_cost and p.has_layout_cost
+    np.testing.assert_array_equal(unbound.step_seconds([5, 23], [8, 8]), 1.0 / unbound.sps(np.array([5, 23])))
+    np.testing.assert_array_equal(p.step_seconds([5, 23]), 1.0 / p.sps(np.array([5, 23])))
+    # a layout cheaper than the profiled one never takes a step below half its profiled latency
+    cheap = _layout_profile(c_a=1.0, c_kv=0.0, slots=1, capacity=1)
+    assert cheap.step_seconds([32], [1])[0] == pytest.approx(0.5 * base)
+
+
+def test_padded_width_matches_the_packer():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        slots = int(rng.integers(1, 9))
+        lengths = rng.integers(0, 5, slots)
+        lengths[rng.integers(slots)] += 1
+        bucket = int(lengths.sum() + rng.integers(0, 9))
+        packed = pack_segments([Segment(s, np.ones(n, np.int64), 10) for s, n in enumerate(lengths) if n], slots,
+                               np.full(slots, 10, np.int64), bucket)
+        assert packed.feed["pad_index"].shape == (slots, padded_width(int(lengths.max()), bucket, slots))
+
+
+def test_profile_reads_the_attention_fit():
+    data = {"target": [{"B": b, "sps": 1000 / (20 + b), "S": -(-b // 8), "Q": min(b, 8), "P": 136} for b in POW2],
+            "attention": {"ms_per_row_entry": 1e-3, "ms_per_slot_entry": 2e-3, "max_error_pct": 3.0, "layouts": []}}
+    p = ThroughputProfile.from_json(data)
+    assert (p.attention_ms, p.kv_read_ms) == (1e-3, 2e-3) and p.profiled_layout[4] == (2, 8, 136)
+    assert not p.has_layout_cost and p.at(4, 512).has_layout_cost
+    # older profiles: no fit, no layout cost, whatever the binding
+    del data["attention"]
+    assert not ThroughputProfile.from_json(data).at(4, 512).has_layout_cost
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d["attention"].pop("ms_per_slot_entry"), "ms_per_slot_entry"),
+    (lambda d: d["target"][2].pop("Q"), "'Q'"),
+    (lambda d: d["attention"].update(ms_per_row_entry=-1.0), "attention_ms must be finite and ≥ 0"),
+    (lambda d: d["target"][0].update(S=0), "one \\(slots, query width, KV capacity\\) ≥ 1 per bucket"),
+])
+def test_profile_rejects_a_bad_attention_fit(change, match):
+    data = {"target": [{"B": b, "sps": 1000 / (20 + b), "S": 1, "Q": 1, "P": 136} for b in POW2],
+            "attention": {"ms_per_row_entry": 1e-3, "ms_per_slot_entry": 2e-3}}
+    change(data)
+    with pytest.raises(ProfileError, match=match):
+        ThroughputProfile.from_json(data)
+
+
+def test_async_spreads_instead_of_stacking_one_request():
+    # 16 requests: one is confident at every position, the others at position 1 only (0.5).
+    conf = np.full((16, GAMMA), 0.05, np.float32)
+    conf[:, 0] = 0.5
+    conf[0] = 0.97
+    flat = ThroughputProfile(_layout_profile().buckets, _layout_profile().steps_per_s)
+    stacked = dspark_async_lengths(conf, conf, flat)
+    assert stacked[0] == GAMMA                                  # SPS(B) alone: the confident request goes deep
+    p = _layout_profile()
+    spread = dspark_async_lengths(conf, conf, p)
+    assert spread.max() < GAMMA and spread.sum() > 0
+    assert expected_throughput(conf, spread, p) > expected_throughput(conf, stacked, p)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_async_search_is_the_best_prefix_allocation(seed):
+    """With a cost that depends on B and the longest ℓ, the best (cap L, count K) of the search is the best
+    of all (γ+1)^R prefix-respecting allocations (brute force)."""
+    rng = np.random.default_rng(seed)
+    gamma, num = 3, 3
+    conf = _random_confidence(rng, num, gamma, low=0.3)
+    p = _layout_profile(c_a=rng.uniform(0, 0.05), c_kv=rng.uniform(0, 0.02), slots=num, capacity=int(rng.integers(64, 2048)))
+    best = max(expected_throughput(conf, np.array(lens), p) for lens in itertools.product(range(gamma + 1), repeat=num))
+    got = expected_throughput(conf, dspark_async_lengths(conf, conf, p), p)
+    assert got == pytest.approx(best, rel=1e-12)
+
+
+def test_algorithm1_prices_each_prefix_layout():
+    conf = np.full((4, GAMMA), 0.05, np.float32)
+    conf[:, 0] = 0.5
+    conf[0] = 0.97
+    p = _layout_profile(slots=4, capacity=2048)
+    flat = dspark_lengths(conf, ThroughputProfile(p.buckets, p.steps_per_s))
+    lens = dspark_lengths(conf, p)
+    assert flat[0] == 4 and lens[0] < flat[0]                   # the padded rows stop the deep admissions
+
+
+def test_skip_decision_prices_the_layout():
+    """Drafting pays at S = 4 over a short cache and stops paying over a long one."""
+    mean = np.broadcast_to(np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]), (4, GAMMA))
+    assert mean_survival_capacity(mean, 4, _layout_profile(slots=4, capacity=136, draft=True), draft_slots=4) > 0
+    assert mean_survival_capacity(mean, 4, _layout_profile(c_a=0.02, slots=4, capacity=4096, draft=True),
+                                  draft_slots=4) == 0
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async"])
+def test_layout_priced_admission_never_depends_on_later_confidences(policy):
+    pol = parse_policy(policy)
+    bound = lambda p: ThroughputProfile(p.buckets, p.steps_per_s, attention_ms=2e-3, kv_read_ms=1e-3,  # noqa: E731
+                                        profiled_layout=tuple((1, 1, 64) for _ in p.buckets)).at(8, 512)
+    assert _count_anticipations(lambda c, lagged, p: pol.verify_lengths(c, GAMMA, bound(p), lagged)) == 0
+
+
+# -- the profiler and the runtime ------------------------------------------------------------------
+
+def test_built_profile_has_the_layout_fit(engine_dir):  # noqa: F811
+    data = json.loads((engine_dir / "profile" / "sps.json").read_text())
+    fit = data["attention"]
+    assert fit["ms_per_row_entry"] >= 0 and fit["ms_per_slot_entry"] >= 0 and fit["layouts"]
+    for row in fit["layouts"]:
+        assert {"S", "Q", "P", "N", "rows", "median_ms", "fit_ms"} <= set(row) and row["rows"] <= row["N"]
+    p1 = data["context_len"] + data["block_size"] + 1
+    max_context = json.loads((engine_dir / "manifest.json").read_text())["runtime"]["max_context"]
+    assert {row["P"] for row in fit["layouts"]} == {p1, max(p1, min(max(4 * p1, 1024), max_context))}
+    for row in data["target"]:
+        assert row["S"] * row["Q"] >= row["B"] and row["P"] == data["context_len"] + data["block_size"] + 1
+    p = ThroughputProfile.from_json(data)
+    assert len(p.profiled_layout) == len(p.buckets)
+
+
+def test_generator_binds_the_profile_to_its_layout(runtime, monkeypatch):  # noqa: F811
+    from dspark_export.runtime.generator import Generator
+    gen = Generator(runtime.engines, parse_policy("dspark"))
+    seen = []
+    original = type(gen.policy).verify_lengths
+
+    def spy(self, confidence, block_size, profile=None, *args):
+        seen.append((profile.num_slots, profile.kv_capacity, gen.num_slots, gen.target_kv.capacity))
+        return original(self, confidence, block_size, profile, *args)
+
+    monkeypatch.setattr(type(gen.policy), "verify_lengths", spy)
+    gen.generate([list(p) for p in PROMPTS[:3]], [SamplingParams(max_new_tokens=6)] * 3)
+    assert seen and all(s[:2] == s[2:] for s in seen)
+    assert max(s[0] for s in seen) == 4                         # three requests run in the R = 4 slots
+
+
+def test_bench_layout_cost_script_small(engine_dir, tmp_path):  # noqa: F811
+    """scripts/bench_layout_cost.py on the tiny engine directory, so the script cannot rot."""
+    from ..script_loader import load_script
+
+    module = load_script("bench_layout_cost.py")
+    out = tmp_path / "layout.json"
+    assert module.main(["--engine-dir", str(engine_dir), "--repeats", "2", "--capacities", "48,96",
+                        "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {c["P"] for c in report["layouts"]} == {48, 96} and len(report["layouts"]) >= 10
+    for c in report["layouts"]:
+        assert c["measured_ms"] > 0 and c["sps_only_ms"] > 0 and c["layout_ms"] > 0 and c["B"] <= c["N"]
+        assert c["Q"] == padded_width(max(c["rows"]), c["N"], c["S"])
+    with pytest.raises(SystemExit) as e:
+        module.main(["--engine-dir", str(engine_dir), "--capacities", "48,4096"])   # past max_context 96
+    assert e.value.code == 2
