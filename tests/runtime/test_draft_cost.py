@@ -360,3 +360,25 @@ def test_async_prices_the_drafter_over_every_slot_while_others_prefill(runtime):
     assert len(ramp) >= 2 and [d for _, d in ramp] == [1] + [0] * (len(ramp) - 1), ramp
     for rid, prompt in zip(ids, prompts):
         assert gen.result(rid).token_ids == _solo(runtime, prompt, 8)
+
+
+def test_probe_floor_uses_the_drafter_blocks_own_time(runtime):  # noqa: F811
+    """The floor prices the drafter block at the larger of its profiled latency and its measured wall time
+    in this generator (in the loop it ran 1.3-2 × the profile on SmolLM2); the tokens do not change."""
+    import time
+
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 16), draft_ms=(20.0, 90.0))
+    assert gen._probe_floor(1, 1) == 32                                  # 2 × 20 ms × 40 steps/s / 0.05
+    real = gen._draft
+
+    def slow(active, flushed):
+        time.sleep(0.2)
+        return real(active, flushed)
+
+    gen._draft = slow
+    result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=4)])[0]
+    assert result.token_ids == _solo(runtime, PROMPTS[0], 4)
+    assert gen._draft_wall[1] >= 0.2
+    assert gen._probe_floor(1, 1) >= 320                                 # 2 × 200 ms × 40 / 0.05
+    assert gen._probe_floor(16, 16) == 58                                # no measurement at S = 16 yet

@@ -146,6 +146,7 @@ class Generator:
                              self.max_tokens // (self.block_size + 1))
         self.profile = _load_profile(engines) if policy.needs_profile else None
         self._bound_profile: tuple[tuple[int, int], ThroughputProfile] | None = None  # `_step_profile`'s cache
+        self._draft_wall: dict[int, float] = {}  # slots S -> running mean of the drafter block's wall time, s
         self._history: list[np.ndarray] = []  # confidences of the last two steps (dspark-async)
         self._skipped, self._probe_interval = 0, _MIN_PROBE_INTERVAL  # dspark-async drafter skipping
         self._probe_left = 0  # drafted steps left in the current probe
@@ -410,7 +411,11 @@ class Generator:
                                                           or s.backlog_rows >= self.backlog_limit)]
         flushed = self._flush_context(flush, failed)
         decoding = [s for s in decoding if s.slot not in failed]
-        drafts = self._draft(decoding, flushed) if drafting and decoding else None
+        drafts = None
+        if drafting and decoding:
+            t0 = time.perf_counter()
+            drafts = self._draft(decoding, flushed)
+            self._observe_draft_time(time.perf_counter() - t0)
         if drafts is not None:
             failed.update(self._check_drafts(drafts, decoding))
             decoding = [s for s in decoding if s.slot not in failed]
@@ -520,6 +525,12 @@ class Generator:
             self._bound_profile = (key, self.profile.at(*key))
         return self._bound_profile[1]
 
+    def _observe_draft_time(self, seconds: float) -> None:
+        """Fold one drafter block's wall time at the current slot count into its running mean (weight
+        _SURVIVAL_EMA for the newest), for `_probe_floor`."""
+        old = self._draft_wall.get(self.num_slots)
+        self._draft_wall[self.num_slots] = seconds if old is None else (1 - _SURVIVAL_EMA) * old + _SURVIVAL_EMA * seconds
+
     def _probe_floor(self, num_requests: int, num_slots: int) -> int:
         """The fewest skipped steps between dspark-async probes for R requests in S slots: enough that a
         probe's drafter blocks cost at most _PROBE_OVERHEAD of the skipped steps' time,
@@ -527,8 +538,13 @@ class Generator:
         which runs over every slot, SPS(R) the target's steps/s at B = R rows, both from the profile).
         SmolLM2 on 2 CPU cores, R = S: 9 steps at 1, 23 at 8, 35 at 16. It may exceed the doubling's 64:
         a drafter that costs 10 target steps is probed every 400 skipped steps (at most _FLOOR_CAP, so
-        absurd profiles stay finite)."""
-        d, sps = self.profile.draft_seconds(num_slots), self.profile.sps(num_requests)
+        absurd profiles stay finite). d(S) is the larger of the profile's and the drafter block's own
+        wall time in this generator's earlier steps at S slots (a running mean, `_observe_draft_time`):
+        in the loop the block ran 1.3-2 × its profiled latency (SmolLM2, S = 16: 43-55 ms against 29 ms).
+        The probe's context flush is not counted: it pays for rows the skipped steps committed, in
+        proportion to the gap, so no gap makes it smaller."""
+        d, sps = max(self.profile.draft_seconds(num_slots), self._draft_wall.get(num_slots, 0.0)), \
+            self.profile.sps(num_requests)
         if not sps > 0:
             return _MAX_PROBE_INTERVAL
         return int(np.ceil(min(_PROBE_STEPS * d * sps / _PROBE_OVERHEAD, _FLOOR_CAP)))
