@@ -62,6 +62,7 @@ def test_summary_text(engine_dir, capsys):
     assert "dspark::MarkovDraft" in out and "ai.onnx 21" in out
     assert "{1,2,4,8}" in out and "{1,2}" in out  # engine buckets
     assert "median ms" in out and "SPS" in out
+    assert "layout cost: c_a" in out and "ms per slot per KV entry" in out
     assert "block_size 4, max_context 64, vocab 256, eos [2]" in out
     assert "tokenizer.json" in out and "onnxruntime" in out
     assert "hidden 64, heads 4/2 kv × 16, vocab 256" in out and "confidence head" in out

@@ -105,6 +105,7 @@ def test_report_data_follows_the_engine_directory(engine_dir):
         best = min(later, key=lambda r: (r["median_ms"], r["B"]))
         assert row["served_by"] == best["B"] and row["effective_sps"] == pytest.approx(1000 / best["median_ms"], 1e-3)
     assert [r["R"] for r in data["profile"]["drafter_block"]] == [1, 2]
+    assert data["profile"]["attention"] == sps["attention"] and sps["attention"]["layouts"]
     engines = {e["graph"]: e for e in data["engines"]}
     assert engines["target"]["buckets"] == [1, 2, 4, 8] and engines["verify"]["buckets"] == [1, 2]
     files = Manifest.load(engine_dir).data["files"]
@@ -115,6 +116,7 @@ def test_report_data_follows_the_engine_directory(engine_dir):
     assert data["acceptance"] is None and data["serve"] is None and data["peers"] is None
     html = (engine_dir / "report" / "index.html").read_text()
     assert "Acceptance (offline protocol)" not in html and "Peer benchmark" not in html
+    assert "Layout cost" in html and html.count("<td class=\"n\">", html.index("Layout cost")) >= 7
 
 
 def _acceptance_result(engine_dir) -> dict:

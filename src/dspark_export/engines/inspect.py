@@ -254,7 +254,9 @@ def _profile(manifest: Manifest) -> dict | None:
     rows = [{k: row.get(k) for k in ("B", "median_ms", "p10_ms", "p90_ms", "sps")} for row in sps.get("target", [])]
     return {"path": entry["path"], "context_len": sps.get("context_len"), "warmup": sps.get("warmup"),
             "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.get("device", {}),
-            "target": rows, "warnings": list(sps.get("warnings", []))}
+            "target": rows, "warnings": list(sps.get("warnings", [])),
+            "attention": ({**{k: v for k, v in sps["attention"].items() if k != "layouts"},
+                           "layouts": len(sps["attention"].get("layouts", []))} if sps.get("attention") else None)}
 
 
 # -- TensorRT ------------------------------------------------------------------------------------------
@@ -422,6 +424,11 @@ def _format(report: InspectReport) -> str:
         rows += [[str(x["B"]), f"{x['median_ms']:.3f}", f"{x['p10_ms']:.3f}", f"{x['p90_ms']:.3f}", f"{x['sps']:.2f}"]
                  for x in p["target"]]
         out += _table(rows)
+        a = p.get("attention")
+        out.append(f"  layout cost: c_a {a['ms_per_row_entry']:.3g} ms per query row per KV entry, c_kv "
+                   f"{a['ms_per_slot_entry']:.3g} ms per slot per KV entry, largest error {a['max_error_pct']} % on "
+                   f"{a['layouts']} layouts" if a else
+                   "  layout cost: not measured (a profile from before it; `dspark-export profile` re-measures)")
         out += [f"  warning: {w}" for w in p["warnings"]] or ["  warnings: none"]
 
     out.append("")

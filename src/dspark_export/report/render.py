@@ -103,7 +103,8 @@ def _profile(manifest: Manifest) -> dict | None:
                      "sps": r["sps"], "served_by": served, "effective_sps": round(1000.0 / latency[served], 3)})
     return {"path": rel, "context_len": sps.get("context_len"), "warmup": sps.get("warmup"),
             "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.get("device", {}),
-            "target": rows, "drafter_block": drafter, "warnings": list(sps.get("warnings", []))}
+            "target": rows, "drafter_block": drafter, "attention": sps.get("attention") or None,
+            "warnings": list(sps.get("warnings", []))}
 
 
 def _engines(manifest: Manifest) -> list[dict]:
