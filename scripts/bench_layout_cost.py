@@ -61,21 +61,24 @@ def main(argv=None) -> int:
     buckets = eng.buckets("target")
     profile = ThroughputProfile.from_json(json.loads((args.engine_dir / data["profile"]["path"]).read_text()))
     slots = max(1, min(eng.buckets("drafter_block")[-1], buckets[-1] // width))
-    cases = []
+    cases, caches = [], {}
     for cap in capacities:
         for s, q in layouts(slots, width):
-            n = next((b for b in buckets if b >= sum(q)), None)
-            if n is None:
+            if sum(q) > buckets[-1]:
                 continue
-            kv = KVCache(spec["num_layers"], s, spec["num_kv_heads"], spec["head_dim"], max_context, cap)
-            kv.lens[:] = cap - width
-            for buf in kv.keys + kv.values:   # written pages, as a serving cache's (np.zeros maps one zero page)
-                buf.fill(0.01)
+            n = eng.bucket_for("target", sum(q))          # the engine the runtime runs for these rows
+            if (s, cap) not in caches:                    # one cache per (S, P), shared by its layouts
+                kv = KVCache(spec["num_layers"], s, spec["num_kv_heads"], spec["head_dim"], max_context, cap)
+                kv.lens[:] = cap - width
+                for buf in kv.keys + kv.values:   # written pages, as a serving cache's (np.zeros maps one zero page)
+                    buf.fill(0.01)
+                caches[(s, cap)] = kv
+            kv = caches[(s, cap)]
             packed = pack_segments([Segment(i, np.full(k, 5, np.int64), cap - width) for i, k in enumerate(q)], s,
                                    kv.lens, n)
             feed = {**packed.feed, **kv.feed("past_key", "past_value")}
             cases.append({"S": s, "rows": q, "P": cap, "B": sum(q), "N": n, "Q": int(packed.feed["pad_index"].shape[1]),
-                          "_run": (eng.runner("target", n), feed), "_t": []})
+                          "_run": (eng.runner_exact("target", n), feed), "_t": []})
     for _ in range(args.repeats):
         for c in cases:
             runner, feed = c["_run"]

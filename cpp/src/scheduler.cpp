@@ -112,9 +112,10 @@ int64_t PickCapacity(const std::vector<double>& theta, bool early_stop) {
   return static_cast<int64_t>(theta.size() - 1);
 }
 
-// Global search (runtime/scheduler.py `_best_plan`): the count K and the cap L on every ℓ_r; without a
-// layout cost L = cols and K = argmax Θ; with one, the best (L, K) over L = 1..max depth (strictly
-// better Θ wins, so the smallest L on ties).
+// Global search (runtime/scheduler.py `_best_plan`): the count K and the cap L on every ℓ_r (-1: no
+// cap); without a layout cost no cap and K = argmax Θ; with one, the best (L, K) over L = 1..D, D the
+// deepest position with a positive survival (strictly better Θ wins, so the smallest L on ties), and
+// L = D is no cap.
 void BestPlan(const std::vector<double>& survival, int64_t rows, int64_t cols, int64_t num_requests,
               const ThroughputProfile& profile, bool draft_at_zero, int64_t* k_out, int64_t* cap_out) {
   std::vector<int64_t> order;
@@ -122,7 +123,7 @@ void BestPlan(const std::vector<double>& survival, int64_t rows, int64_t cols, i
   SortedCandidates(survival, rows, cols, &order, &ranked);
   if (!profile.has_layout_cost()) {
     *k_out = PickCapacity(Thetas(ranked, nullptr, num_requests, profile, draft_at_zero), false);
-    *cap_out = cols;
+    *cap_out = -1;
     return;
   }
   std::vector<int64_t> depth(order.size());
@@ -141,7 +142,7 @@ void BestPlan(const std::vector<double>& survival, int64_t rows, int64_t cols, i
       found = true;
       best = theta[k];
       *k_out = k;
-      *cap_out = cap;
+      *cap_out = cap < deepest ? cap : -1;
     }
   }
 }
@@ -202,6 +203,10 @@ Status ThroughputProfile::FromSpsJson(const std::string& json_text, ThroughputPr
   }
   std::vector<std::pair<int64_t, double>> rows;
   std::vector<std::pair<int64_t, std::array<int64_t, 3>>> layout_rows;
+  if (data.contains("attention") && !data["attention"].is_null() && !data["attention"].is_object()) {
+    return Status(StatusCode::kProfile, "profile: 'attention' must be an object {\"ms_per_row_entry\": number, "
+                                        "\"ms_per_slot_entry\": number, ...}, found " + std::string(data["attention"].type_name()));
+  }
   const bool fit = data.contains("attention") && data["attention"].is_object() && !data["attention"].empty();
   for (const auto& row : data["target"]) {
     if (!row.is_object() || !row.contains("B") || !row.contains("sps") || !row["B"].is_number_integer() ||
@@ -397,28 +402,28 @@ static Status DsparkLengths(const ConfidenceView& c, const ThroughputProfile& pr
   std::vector<int64_t> order;
   std::vector<double> ranked;
   SortedCandidates(a, c.rows, c.cols, &order, &ranked);
-  std::vector<int64_t> depth(order.size());
-  for (size_t i = 0; i < order.size(); ++i) depth[i] = order[i] / std::max<int64_t>(c.rows, 1) + 1;
-  *lengths = TopKLengths(order, c.rows, PickCapacity(Thetas(ranked, &depth, c.rows, profile, true), true));
+  // SPS(B) alone, even with a layout cost (runtime/scheduler.py dspark_lengths: the layout-priced early
+  // stop fires at the first saw-tooth of Θ).
+  *lengths = TopKLengths(order, c.rows, PickCapacity(Thetas(ranked, nullptr, c.rows, profile, true), true));
   return Status::Ok();
 }
 
 static Status DsparkAsyncLengths(const ConfidenceView& c, const ConfidenceView* lagged,
                                  const ThroughputProfile& profile, const int64_t* max_lengths,
                                  std::vector<int64_t>* lengths) {
-  if (lagged == nullptr || lagged->data == nullptr) return DsparkLengths(c, profile, max_lengths, lengths);
+  if (lagged == nullptr || lagged->data == nullptr || lagged->rows * lagged->cols == 0) return DsparkLengths(c, profile, max_lengths, lengths);
   Status cst = CheckConfidence(c, "confidence");
   if (!cst.ok()) return cst;
   Status lst = CheckConfidence(*lagged, "lagged_confidence");
   if (!lst.ok()) return lst;
   std::vector<double> lagged_a;
   SurvivalProbs(*lagged, nullptr, &lagged_a);
-  int64_t k = 0, cap = c.cols;
+  int64_t k = 0, cap = -1;
   BestPlan(lagged_a, lagged->rows, lagged->cols, c.rows, profile, /*draft_at_zero=*/false, &k, &cap);
   std::vector<int64_t> limit(static_cast<size_t>(c.rows));
-  for (int64_t r = 0; r < c.rows; ++r) limit[r] = max_lengths != nullptr ? std::min(max_lengths[r], cap) : cap;
+  for (int64_t r = 0; r < c.rows && cap >= 0; ++r) limit[r] = max_lengths != nullptr ? std::min(max_lengths[r], cap) : cap;
   std::vector<double> a;
-  Status st = SurvivalProbs(c, limit.data(), &a);
+  Status st = SurvivalProbs(c, cap >= 0 ? limit.data() : max_lengths, &a);
   if (!st.ok()) return st;
   std::vector<int64_t> order;
   std::vector<double> ranked;

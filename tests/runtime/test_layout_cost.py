@@ -15,7 +15,7 @@ from dspark_export.errors import ProfileError
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 from dspark_export.runtime.scheduler import (ThroughputProfile, dspark_async_lengths, dspark_lengths,
-                                             expected_throughput, mean_survival_capacity)
+                                             expected_throughput, mean_survival_capacity, survival_probs)
 
 from ..test_pipeline import BUCKETS, PROMPTS  # noqa: F401  (same tiny engine directory)
 from ..test_pipeline import engine_dir, runtime  # noqa: F401  (module fixtures)
@@ -77,10 +77,14 @@ def test_profile_reads_the_attention_fit():
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda d: d["attention"].pop("ms_per_slot_entry"), "ms_per_slot_entry"),
-    (lambda d: d["target"][2].pop("Q"), "'Q'"),
-    (lambda d: d["attention"].update(ms_per_row_entry=-1.0), "attention_ms must be finite and ≥ 0"),
-    (lambda d: d["target"][0].update(S=0), "one \\(slots, query width, KV capacity\\) ≥ 1 per bucket"),
+    (lambda d: d["attention"].pop("ms_per_slot_entry"), "attention.ms_per_slot_entry: expected a finite number"),
+    (lambda d: d["target"][2].pop("Q"), "target row B=4: 'Q' must be an integer ≥ 1"),
+    (lambda d: d["attention"].update(ms_per_row_entry=-1.0), "attention.ms_per_row_entry: .* found -1.0"),
+    (lambda d: d["attention"].update(ms_per_row_entry=True), "attention.ms_per_row_entry: .* found True"),
+    (lambda d: d["attention"].update(ms_per_slot_entry="0.001"), "attention.ms_per_slot_entry: .* found '0.001'"),
+    (lambda d: d["target"][0].update(S=0), "target row B=1: 'S' must be an integer ≥ 1"),
+    (lambda d: d["target"][1].update(P=1.7), "target row B=2: 'P' must be an integer ≥ 1 .* found 1.7"),
+    (lambda d: d.update(attention=[1, 2]), "'attention' must be an object"),
 ])
 def test_profile_rejects_a_bad_attention_fit(change, match):
     data = {"target": [{"B": b, "sps": 1000 / (20 + b), "S": 1, "Q": 1, "P": 136} for b in POW2],
@@ -117,14 +121,31 @@ def test_async_search_is_the_best_prefix_allocation(seed):
     assert got == pytest.approx(best, rel=1e-12)
 
 
-def test_algorithm1_prices_each_prefix_layout():
-    conf = np.full((4, GAMMA), 0.05, np.float32)
-    conf[:, 0] = 0.5
-    conf[0] = 0.97
-    p = _layout_profile(slots=4, capacity=2048)
-    flat = dspark_lengths(conf, ThroughputProfile(p.buckets, p.steps_per_s))
+def test_algorithm1_keeps_sps_alone():
+    """`dspark` ignores the layout cost: priced per prefix, Θ saw-tooths along the greedy path (the first draft
+    at a new depth pays every slot's padding) and the early stop fires at the first tooth."""
+    buckets = tuple(range(1, 129))
+    smooth = ThroughputProfile(buckets, tuple(1000.0 / (20.0 + 0.3 * b) for b in buckets))
+    p = ThroughputProfile(smooth.buckets, smooth.steps_per_s, attention_ms=1.1e-3, kv_read_ms=2.26e-3,
+                          profiled_layout=tuple((-(-b // 8), min(b, 8), 136) for b in buckets)).at(8, 1024)
+    conf = np.full((8, GAMMA), 0.9, np.float32)
+    conf[:, 0] = 0.95
     lens = dspark_lengths(conf, p)
-    assert flat[0] == 4 and lens[0] < flat[0]                   # the padded rows stop the deep admissions
+    np.testing.assert_array_equal(lens, dspark_lengths(conf, smooth))
+    assert lens.tolist() == [GAMMA] * 8
+    # what the layout-priced stop would have done: Θ drops at the first draft of the second depth
+    from dspark_export.runtime.scheduler import _sorted_candidates, _throughputs
+    order, ranked = _sorted_candidates(survival_probs(conf))
+    theta = _throughputs(ranked, 8, p, depth=order // 8 + 1)
+    assert theta[9] < theta[8] and theta[-1] > 2 * theta[0]
+
+
+def test_async_without_a_layout_cost_never_caps():
+    """A lagged block shorter than the current one caps nothing unless the layout cost chose a cap."""
+    worked = ThroughputProfile((2, 4, 8), (100.0, 90.0, 75.0))
+    conf = np.full((1, 4), 0.9, np.float32)
+    lagged = np.full((2, 2), 0.9, np.float32)
+    assert dspark_async_lengths(conf, lagged, worked).tolist() == [4]
 
 
 def test_skip_decision_prices_the_layout():
@@ -158,6 +179,17 @@ def test_built_profile_has_the_layout_fit(engine_dir):  # noqa: F811
         assert row["S"] * row["Q"] >= row["B"] and row["P"] == data["context_len"] + data["block_size"] + 1
     p = ThroughputProfile.from_json(data)
     assert len(p.profiled_layout) == len(p.buckets)
+
+
+def test_layout_fit_with_one_capacity_is_refused_not_guessed(runtime):  # noqa: F811
+    """When context_len + γ + 1 reaches max_context only one capacity is timed: c_a and c_kv cannot be told
+    apart, so the fit says so and prices nothing."""
+    from dspark_export.engines.profiler import measure_layout_cost
+
+    rt = runtime.engines.manifest.runtime
+    fit = measure_layout_cost(runtime.engines, rt["max_context"] - rt["block_size"] - 1, warmup=1, repeats=2)
+    assert fit["underdetermined"] is True and fit["ms_per_row_entry"] == fit["ms_per_slot_entry"] == 0.0
+    assert {row["P"] for row in fit["layouts"]} == {rt["max_context"]} and all(r["fit_ms"] is None for r in fit["layouts"])
 
 
 def test_generator_binds_the_profile_to_its_layout(runtime, monkeypatch):  # noqa: F811

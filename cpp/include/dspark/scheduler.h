@@ -31,7 +31,7 @@ namespace dspark {
 // Optional layout cost (sps.json "attention" fit, each target row's "S", "Q", "P"): bound to a step layout
 // with At(S, P), a step of B tokens whose longest request verifies w - 1 drafts costs
 //   t(B, w) = 1/SPS(b) + [c_a·(S·Q·P - S_b·Q_b·P_b) + c_kv·(S·P - S_b·P_b)] / 1000 s, Q = max(w, ⌈b/S⌉),
-// at least half of 1/SPS(b) (b the bucket that runs B); the policies then also search a cap on every ℓ_r.
+// at least half of 1/SPS(b) (b the bucket that runs B); dspark-async then also searches a cap on every ℓ_r.
 class ThroughputProfile {
  public:
   ThroughputProfile() = default;
@@ -45,7 +45,8 @@ class ThroughputProfile {
   // finite ≥ 0, and the (S_b, Q_b, P_b) each bucket was timed at, one per bucket, each ≥ 1.
   // Errors: kProfile naming the problem.
   Status SetLayoutCost(double attention_ms, double kv_read_ms, std::vector<std::array<int64_t, 3>> layout);
-  // A copy bound to a step layout: S slots, KV capacity P (both ≥ 1).
+  // A copy bound to a step layout: S slots, KV capacity P (values below 1 are taken as 1; Python's
+  // `at` refuses them).
   ThroughputProfile At(int64_t num_slots, int64_t kv_capacity) const;
   // Whether step latencies depend on the layout: a fit, and a layout bound with At.
   bool has_layout_cost() const;
@@ -118,9 +119,12 @@ Status SurvivalProbs(const ConfidenceView& confidence, const int64_t* max_length
 //   fixed:K:      ℓ_r = min(K, γ).
 //   threshold:C:  ℓ_r = index of the first c[r, j] < C (compared in float32), else γ.
 //   dspark:       paper Algorithm 1: sort candidates (r, j) with a > 0 by a descending (ties: lower j,
-//                 then lower r), admit while Θ = τ·SPS(B) improves, stop at the first Θ_k ≤ Θ_{k-1}.
+//                 then lower r), admit while Θ = τ·SPS(B) improves, stop at the first Θ_k ≤ Θ_{k-1}
+//                 (SPS(B) alone, even with a layout cost).
 //   dspark-async: paper §5.2: K* = argmax_K Θ(K) over the lagged confidences (no early stop), then the
 //                 top-K* current candidates; without lagged confidences, Algorithm 1 on the current ones.
+//                 With a layout cost, also a cap L on every ℓ_r from the lagged confidences (the best
+//                 (L, K); L at the deepest lagged position is no cap).
 // Worked example (dspark): c = [[.9,.8,.5],[.6,.5,.9]], SPS {2:100, 4:90, 8:75} → ℓ = [2, 0].
 // Args:
 //   confidence: [R, γ] calibrated conditional confidences in [0, 1]; cols must equal gamma.

@@ -425,10 +425,14 @@ def _format(report: InspectReport) -> str:
                  for x in p["target"]]
         out += _table(rows)
         a = p.get("attention")
-        out.append(f"  layout cost: c_a {a['ms_per_row_entry']:.3g} ms per query row per KV entry, c_kv "
-                   f"{a['ms_per_slot_entry']:.3g} ms per slot per KV entry, largest error {a['max_error_pct']} % on "
-                   f"{a['layouts']} layouts" if a else
-                   "  layout cost: not measured (a profile from before it; `dspark-export profile` re-measures)")
+        if not a:
+            out.append("  layout cost: not measured (a profile from before it; `dspark-export profile` re-measures)")
+        elif a.get("underdetermined"):
+            out.append(f"  layout cost: not used (its {a['layouts']} layouts could not separate the coefficients)")
+        else:
+            out.append(f"  layout cost: c_a {a['ms_per_row_entry']:.3g} ms per query row per KV entry, c_kv "
+                       f"{a['ms_per_slot_entry']:.3g} ms per slot per KV entry, largest error {a['max_error_pct']} % "
+                       f"on {a['layouts']} layouts")
         out += [f"  warning: {w}" for w in p["warnings"]] or ["  warnings: none"]
 
     out.append("")

@@ -157,7 +157,9 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
     P2 ≥ 1024: the cost per entry grows past the caches' reach (SmolLM2: a fit up to P = 544 predicted
     the P = 1,024 layouts up to 33 % low, `scripts/bench_layout_cost.py`). Layouts that
     do not fit the largest bucket are left out. Negative coefficients (noise on a model whose attention
-    costs nothing measurable) are set to 0 after the fit.
+    costs nothing measurable) are set to 0 after the fit. Where the layouts cannot identify both
+    coefficients (one capacity only), both are 0, `underdetermined` is true and `fit_ms` is None.
+    `measure_profile` runs it with min(warmup, 2) warm-up and max(3, repeats // 2) timed runs.
 
     Args:
         engines: the engine set.
@@ -167,7 +169,7 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
         progress: called with a short label before each layout.
     Returns:
         {"ms_per_row_entry", "ms_per_slot_entry", "max_error_pct", "layouts": [{"S", "Q", "P", "N", "rows",
-        "median_ms", "p10_ms", "p90_ms", "repeats", "fit_ms"}]}.
+        "median_ms", "p10_ms", "p90_ms", "repeats", "fit_ms"}], "underdetermined" (only when true)}.
     """
     graphs, runtime = engines.manifest.data["graphs"], engines.manifest.runtime
     spec, w = graphs["target"]["spec"], graphs["drafter_block"]["spec"]["block_size"] + 1
@@ -192,6 +194,12 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
     ns = sorted({r["N"] for r in rows})
     x = np.array([[float(r["N"] == n) for n in ns] + [r["S"] * r["Q"] * r["P"], r["S"] * r["P"]] for r in rows])
     y = np.array([r["median_ms"] for r in rows])
+    if np.linalg.matrix_rank(x) < x.shape[1]:
+        # e.g. one capacity only (context_len + γ + 1 = max_context): c_a and c_kv cannot be told apart
+        for r in rows:
+            r["fit_ms"] = None
+        return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": rows,
+                "underdetermined": True}
     coef = np.linalg.lstsq(x, y, rcond=None)[0]
     coef[-2:] = np.maximum(coef[-2:], 0.0)
     fit = x @ coef
@@ -231,9 +239,12 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
             progress(f"drafter R={r} ({eta.text(len(rows_t) + len(rows_d))})")
         feed = _block_feed(graphs["drafter_block"]["spec"], r, context_len, block)
         rows_d.append({"R": r, **time_runner(engines.runner_exact("drafter_block", r), feed, warmup, repeats)})
-    attention = measure_layout_cost(engines, context_len, progress=progress)
+    attention = measure_layout_cost(engines, context_len, min(warmup, 2), max(3, repeats // 2), progress=progress)
     fit_warn = [f"attention: the layout fit is off by up to {attention['max_error_pct']} % on the measured layouts"] \
         if attention["max_error_pct"] > 100 * _FIT_WARN else []
+    if attention.get("underdetermined"):
+        fit_warn.append("attention: the timed layouts cannot separate c_a from c_kv (one KV capacity fits: "
+                        "context_len + block_size + 1 reaches max_context); no layout cost is used")
     return {
         "context_len": context_len, "block_size": block, "warmup": warmup, "repeats": repeats,
         "layout": "R = ceil(B/(block_size+1)) requests, each verifying up to block_size+1 rows, logits for every row",

@@ -14,7 +14,8 @@ Quantities (positions j = 1..γ, column j-1 of the arrays):
 Where the profile also measured what padded attention costs (`ThroughputProfile.at`, sps.json's
 `attention` section), a step's target latency depends on its layout, not on B alone: the graph pads
 every slot's query to the longest one, so one request verifying 7 drafts next to 15 decoding ones
-attends 16 × 8 query rows. The policies then also search a cap L on every ℓ_r (see `_best_plan`).
+attends 16 × 8 query rows. `dspark-async` and the runtime's drafter-skip rule then price that and also
+search a cap L on every ℓ_r (see `_best_plan`); `dspark` keeps SPS(B) (see `dspark_lengths` for why).
 
 Because a[r, j] is non-increasing in j, the K candidates (r, j) with the largest survivals always form
 a prefix of every request's block (ties broken by lower j first, then lower r), so a capacity K
@@ -173,14 +174,26 @@ class ThroughputProfile:
             pairs = [(int(row["B"]), float(row["sps"])) for row in rows]
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"profile: every 'target' row needs an integer 'B' and a numeric 'sps' ({e!r})") from e
-        fit, layout = data.get("attention") or {}, ()
+        fit, layout = data.get("attention"), ()
+        if fit is not None and not isinstance(fit, Mapping):
+            raise ProfileError(f"profile: 'attention' must be an object {{'ms_per_row_entry': number, "
+                               f"'ms_per_slot_entry': number, ...}}, found {type(fit).__name__}")
         if fit:
-            try:
-                layout = tuple((int(row["S"]), int(row["Q"]), int(row["P"])) for row in rows)
-                c_a, c_kv = float(fit["ms_per_row_entry"]), float(fit["ms_per_slot_entry"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise ProfileError(f"profile: an 'attention' fit needs numeric 'ms_per_row_entry' and "
-                                   f"'ms_per_slot_entry', and every 'target' row integer 'S', 'Q', 'P' ({e!r})") from e
+            def number(key):
+                v = fit.get(key)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (np.isfinite(v) and v >= 0):
+                    raise ProfileError(f"profile: attention.{key}: expected a finite number ≥ 0 (ms), found {v!r}")
+                return float(v)
+
+            def whole(row, key):
+                v = row.get(key)
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                    raise ProfileError(f"profile: target row B={row['B']}: '{key}' must be an integer ≥ 1 with an "
+                                       f"'attention' fit, found {v!r}")
+                return int(v)
+
+            c_a, c_kv = number("ms_per_row_entry"), number("ms_per_slot_entry")
+            layout = tuple((whole(row, "S"), whole(row, "Q"), whole(row, "P")) for row in rows)
         drafts = data.get("drafter_block") or []
         try:
             dpairs = sorted((int(row["R"]), float(row["median_ms"])) for row in drafts) if use_drafter else []
@@ -340,29 +353,33 @@ def _throughputs(ranked: np.ndarray, num_requests: int, profile: ThroughputProfi
 
 
 def _best_plan(survival: np.ndarray, num_requests: int, profile: ThroughputProfile, draft_at_zero: bool,
-               draft_slots: int | None = None) -> tuple[int, int, float, float]:
-    """Global search (no early stop): (K*, L*, Θ(K*), Θ(0)) over the candidates of `survival` [R', γ].
+               draft_slots: int | None = None) -> tuple[int, int | None, float, float]:
+    """Global search (no early stop): (K*, L*, Θ(K*), Θ(0)) over the candidates of `survival` [R', γ'].
 
-    Without a layout cost, L* = γ and K* = argmax_k Θ_k over all ranked candidates (§5.2). With one,
-    the search also caps every verify length at L = 1..γ: for each L, Θ over the ranked candidates with
-    j ≤ L, and the best (L, K) overall (the smallest L, then the smallest K, on ties). Why: the top-K by
-    survival can stack one confident request's drafts, and its long segment pads every slot's query
-    (16 slots, one request verifying 7: 16 × 8 query rows); a cap trades those deep drafts for shallow
-    ones of other requests. Θ_0 does not depend on L.
+    Without a layout cost, L* = None (no cap) and K* = argmax_k Θ_k over all ranked candidates (§5.2).
+    With one, the search also caps every verify length at L = 1..D (D the deepest position with a
+    positive survival): for each L, Θ over the ranked candidates with j ≤ L, and the best (L, K) overall
+    (the smallest L, then the smallest K, on ties); L* = D is returned as None, since no deeper cap was
+    weighed against it. Why: the top-K by survival can stack one confident request's drafts, and its
+    long segment pads every slot's query (16 slots, one request verifying 7: 16 × 8 query rows); a cap
+    trades those deep drafts for shallow ones of other requests. Θ_0 does not depend on L.
+    With a cost that depends on B and the longest ℓ only, the best (L, K) is the best allocation of
+    drafts with a positive survival among all prefix-respecting ones (tested against brute force).
     """
     order, ranked = _sorted_candidates(survival)
     if not profile.has_layout_cost:
         theta = _throughputs(ranked, num_requests, profile, draft_at_zero, draft_slots)
         k = int(np.argmax(theta))
-        return k, survival.shape[1], float(theta[k]), float(theta[0])
+        return k, None, float(theta[k]), float(theta[0])
     depth = order // max(survival.shape[0], 1) + 1
+    deepest = int(depth.max(initial=1))
     best = None
-    for cap in range(1, int(depth.max(initial=1)) + 1):
+    for cap in range(1, deepest + 1):
         keep = depth <= cap
         theta = _throughputs(ranked[keep], num_requests, profile, draft_at_zero, draft_slots, depth[keep])
         k = int(np.argmax(theta))
         if best is None or theta[k] > best[2]:
-            best = (k, cap, float(theta[k]), float(theta[0]))
+            best = (k, cap if cap < deepest else None, float(theta[k]), float(theta[0]))
     return best
 
 
@@ -427,8 +444,12 @@ def dspark_lengths(confidence: np.ndarray, profile: ThroughputProfile,
     The early stop makes the admission of (r, j) a function of the sorted list up to (r, j) only,
     which never contains (r, j' > j): the scheduler is non-anticipating. It reaches the global
     maximum of Θ only where Θ is unimodal along the greedy path (smooth SPS); a staircase cliff can
-    stop it early (see `dspark_async_lengths`). With a layout cost (`ThroughputProfile.at`), each
-    prefix is priced at t(B, 1 + its longest ℓ) instead of 1/SPS(B); still a function of the prefix.
+    stop it early (see `dspark_async_lengths`). It prices steps by SPS(B) alone, even where the profile
+    has a layout cost: priced per prefix at t(B, 1 + its longest ℓ), Θ saw-tooths along the greedy path
+    (the first draft at a new depth pays the padding of every slot, the next ones at that depth are
+    nearly free), and the early stop fires at the first tooth. Example: 8 requests at c = 0.95, S = 8,
+    P = 1,024, SmolLM2's fit on a 20 + 0.3·B ms profile: the layout-priced stop verified nothing
+    (165 tokens/s under that model) where SPS(B) verifies 7 each (405 tokens/s under the same model).
 
     Worked example: c = [[0.9, 0.8, 0.5], [0.6, 0.5, 0.9]] → a = [[0.9, 0.72, 0.36], [0.6, 0.3, 0.27]];
     buckets {2: 100, 4: 90, 8: 75} steps/s. Θ_0 = 2·100 = 200; admit 0.9 → B=3 (bucket 4):
@@ -444,11 +465,7 @@ def dspark_lengths(confidence: np.ndarray, profile: ThroughputProfile,
     """
     a = survival_probs(confidence, max_lengths)
     order, ranked = _sorted_candidates(a)
-    if not profile.has_layout_cost:
-        return top_k_lengths(order, a.shape[0], search_capacity(ranked, a.shape[0], profile, early_stop=True))
-    theta = _throughputs(ranked, a.shape[0], profile, depth=order // max(a.shape[0], 1) + 1)
-    stops = np.flatnonzero(theta[1:] <= theta[:-1])
-    return top_k_lengths(order, a.shape[0], int(stops[0]) if stops.size else ranked.size)
+    return top_k_lengths(order, a.shape[0], search_capacity(ranked, a.shape[0], profile, early_stop=True))
 
 
 def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray | None, profile: ThroughputProfile,
@@ -474,18 +491,20 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
     Args:
         confidence: [R, γ] float32 current calibrated conditional confidences in [0, 1].
         lagged_confidence: [R', γ'] float32 confidences of two steps earlier (R' may differ from R
-            when requests joined or left), or None when there is no history yet.
+            when requests joined or left), or None (or empty, as the C++ port reads it) when there is
+            no history yet.
         profile: SPS(B).
         max_lengths: [R] int, optional cap on ℓ_r (applies to the current candidates).
     Returns:
         [R] int64 verify lengths in 0..γ.
     """
-    if lagged_confidence is None:
+    if lagged_confidence is None or np.asarray(lagged_confidence).size == 0:
         return dspark_lengths(confidence, profile, max_lengths)
     R = np.asarray(confidence).shape[0]
     k, cap, _, _ = _best_plan(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")), R,
                               profile, draft_at_zero=False)
-    limit = np.full(R, cap, np.int64) if max_lengths is None else np.minimum(np.asarray(max_lengths), cap)
+    limit = max_lengths if cap is None else (
+        np.full(R, cap, np.int64) if max_lengths is None else np.minimum(np.asarray(max_lengths), cap))
     a = survival_probs(confidence, limit)
     order, _ = _sorted_candidates(a)
     return top_k_lengths(order, a.shape[0], k)
