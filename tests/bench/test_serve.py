@@ -155,7 +155,10 @@ def test_repeats_interleave_policies_and_report_medians(engine_dir, datasets_dir
     paired = [f / a for f, a in zip(fixed["throughput_tokens_per_s_runs"], ar["throughput_tokens_per_s_runs"])]
     assert fixed["throughput_ratio_to_ar_runs"] == pytest.approx(paired, abs=1e-4)
     assert fixed["throughput_ratio_to_ar"] == pytest.approx(sorted(paired)[1], abs=1e-4)
-    assert "| ×ar |" in markdown_table(result)
+    table = markdown_table(result)
+    assert "| ×ar | ×ar runs |" in table
+    lo, hi = min(fixed["throughput_ratio_to_ar_runs"]), max(fixed["throughput_ratio_to_ar_runs"])
+    assert f"| {fixed['throughput_ratio_to_ar']:.2f} | {lo:.2f}–{hi:.2f} |" in table
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -479,7 +479,10 @@ _COLUMNS = [("policy", "policy", "{}"), ("concurrency", "C", "{}"), ("requests",
             ("throughput_tokens_per_s", "throughput tok/s", "{:.1f}"),
             ("per_user_tokens_per_s", "per-user tok/s", "{:.1f}"),
             ("per_user_tokens_per_s_p50", "p50", "{:.1f}"), ("per_user_tokens_per_s_p90", "p90", "{:.1f}"),
-            ("throughput_ratio_to_ar", "×ar", "{:.2f}"), ("per_user_ratio_to_ar", "per-user ×ar", "{:.2f}"),
+            ("throughput_ratio_to_ar", "×ar", "{:.2f}"),
+            ("throughput_ratio_to_ar_runs", "×ar runs", lambda v: f"{min(v):.2f}–{max(v):.2f}"),
+            ("per_user_ratio_to_ar", "per-user ×ar", "{:.2f}"),
+            ("per_user_ratio_to_ar_runs", "per-user ×ar runs", lambda v: f"{min(v):.2f}–{max(v):.2f}"),
             ("mean_verify_len", "verify len", "{:.2f}"), ("acceptance_length", "τ", "{:.2f}"),
             ("mean_step_ms", "step ms", "{:.1f}"), ("scheduler_ms", "sched ms", "{:.3f}"),
             ("scheduler_ratio", "sched %", "{:.2%}"), ("identical", "identical", "{}")]
@@ -493,7 +496,7 @@ def markdown_table(result: dict) -> str:
         cells = []
         for key, _, fmt in _COLUMNS:
             v = row.get(key)
-            cells.append("–" if v is None else fmt.format(v))
+            cells.append("–" if v is None or v == [] else fmt(v) if callable(fmt) else fmt.format(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -513,7 +516,8 @@ def _markdown(result: dict) -> str:
         "τ: tokens committed per round incl. bonus; sched: time in Policy.verify_lengths per step",
         "- identity: the first completed requests of each run equal an `ar` solo run (greedy)",
         f"- repeats: {cfg.get('repeats', 1)} run(s) per row, policies interleaved at each C; numbers are medians "
-        "over the runs; ×ar: throughput / `ar`'s in the same repeat (median)",
+        "over the runs; ×ar: throughput / `ar`'s in the same repeat (median); ×ar runs: the lowest and highest "
+        "of those per-repeat ratios (this spread is the run-to-run noise a difference must exceed)",
         *[f"- **warning**: {w}" for w in result.get("warnings", [])], "",
         markdown_table(result), ""])
 
