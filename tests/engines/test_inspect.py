@@ -259,3 +259,50 @@ def test_unsupported_engine_graph_exits_1(copy_dir, capsys):
     report = inspect_engine_dir(copy_dir, trt_compat=True)
     assert [(f.graph, f.node, f.op) for f in report.blocking] == [("drafter_context", "sneaky_unique", "Unique")]
     assert report.exit_code == 1 and report.summary["integrity"]["verified"] is True
+
+
+def _rewrite_profile(root, change) -> None:
+    """Edit profile/sps.json with `change(data)` and re-list it in the manifest (size and sha256), as a user
+    who hand-edits a profile and fixes the manifest would."""
+    import hashlib
+
+    path = root / "profile" / "sps.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    manifest = json.loads((root / "manifest.json").read_text())
+    blob = path.read_bytes()
+    manifest["files"]["profile/sps.json"].update(bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d.update(attention=[1, 2]), "'attention' must be an object"),
+    (lambda d: d["attention"].update(ms_per_row_entry="0.1"), "attention.ms_per_row_entry: .* found '0.1'"),
+    (lambda d: d["attention"].update(ms_per_slot_entry=-1), "attention.ms_per_slot_entry: .* found -1"),
+    (lambda d: d["target"][1].update(Q=0), "target row B=2: 'Q' must be an integer ≥ 1"),
+])
+def test_a_malformed_layout_fit_is_named_not_a_crash(copy_dir, capsys, change, match):
+    """inspect, report and generate name sps.json and the field of a bad layout-cost fit (exit 2)."""
+    import re
+
+    _rewrite_profile(copy_dir, change)
+    code, out, err = _run(capsys, copy_dir)
+    assert code == 2 and "internal error" not in err and re.search(match, err), err
+    assert str(copy_dir / "profile" / "sps.json") in err
+    assert cli_main(["report", str(copy_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "internal error" not in err and re.search(match, err), err
+    assert cli_main(["generate", "--engine-dir", str(copy_dir), "--policy", "dspark-async", "--prompt", "hello",
+                     "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and "profile/sps.json" in err, err
+
+
+def test_a_fit_without_its_optional_fields_still_shows(copy_dir, capsys):
+    def change(d):
+        d["attention"].pop("max_error_pct")
+        d["attention"]["layouts"] = {}
+    _rewrite_profile(copy_dir, change)
+    code, out, err = _run(capsys, copy_dir)
+    assert code == 0 and "largest error ? % on 0 layouts" in out, out + err

@@ -105,7 +105,11 @@ def test_report_data_follows_the_engine_directory(engine_dir):
         best = min(later, key=lambda r: (r["median_ms"], r["B"]))
         assert row["served_by"] == best["B"] and row["effective_sps"] == pytest.approx(1000 / best["median_ms"], 1e-3)
     assert [r["R"] for r in data["profile"]["drafter_block"]] == [1, 2]
-    assert data["profile"]["attention"] == sps["attention"] and sps["attention"]["layouts"]
+    att = data["profile"]["attention"]
+    assert (att["ms_per_row_entry"], att["ms_per_slot_entry"], att["max_error_pct"]) == \
+        (sps["attention"]["ms_per_row_entry"], sps["attention"]["ms_per_slot_entry"], sps["attention"]["max_error_pct"])
+    assert [(r["S"], r["Q"], r["P"], r["median_ms"]) for r in att["layouts"]] == \
+        [(r["S"], r["Q"], r["P"], r["median_ms"]) for r in sps["attention"]["layouts"]] and att["layouts"]
     engines = {e["graph"]: e for e in data["engines"]}
     assert engines["target"]["buckets"] == [1, 2, 4, 8] and engines["verify"]["buckets"] == [1, 2]
     files = Manifest.load(engine_dir).data["files"]

@@ -254,9 +254,33 @@ def _profile(manifest: Manifest) -> dict | None:
     rows = [{k: row.get(k) for k in ("B", "median_ms", "p10_ms", "p90_ms", "sps")} for row in sps.get("target", [])]
     return {"path": entry["path"], "context_len": sps.get("context_len"), "warmup": sps.get("warmup"),
             "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.get("device", {}),
-            "target": rows, "warnings": list(sps.get("warnings", [])),
-            "attention": ({**{k: v for k, v in sps["attention"].items() if k != "layouts"},
-                           "layouts": len(sps["attention"].get("layouts", []))} if sps.get("attention") else None)}
+            "target": rows, "warnings": list(sps.get("warnings", [])), "attention": attention_summary(sps, path)}
+
+
+def attention_summary(sps: dict, path) -> dict | None:
+    """The layout-cost fit of an sps.json object, checked as the runtime reads it: {"ms_per_row_entry",
+    "ms_per_slot_entry", "max_error_pct" (None when absent), "underdetermined", "layouts": [rows that are
+    objects]}; None without a fit.
+
+    Raises:
+        EngineDirError: the fit (or a target row's S, Q, P under it) is malformed; names `path` and the field.
+    """
+    from ..errors import ProfileError
+    from ..runtime.scheduler import ThroughputProfile
+
+    fit = sps.get("attention") if isinstance(sps, dict) else None
+    if not fit:
+        return None
+    try:
+        ThroughputProfile.from_json(sps)
+    except ProfileError as e:
+        raise EngineDirError(f"{path}: {e}") from e
+    err = fit.get("max_error_pct")
+    layouts = fit.get("layouts")
+    return {"ms_per_row_entry": float(fit["ms_per_row_entry"]), "ms_per_slot_entry": float(fit["ms_per_slot_entry"]),
+            "max_error_pct": float(err) if isinstance(err, (int, float)) and not isinstance(err, bool) else None,
+            "underdetermined": bool(fit.get("underdetermined")),
+            "layouts": [r for r in layouts if isinstance(r, dict)] if isinstance(layouts, list) else []}
 
 
 # -- TensorRT ------------------------------------------------------------------------------------------
@@ -427,12 +451,13 @@ def _format(report: InspectReport) -> str:
         a = p.get("attention")
         if not a:
             out.append("  layout cost: not measured (a profile from before it; `dspark-export profile` re-measures)")
-        elif a.get("underdetermined"):
-            out.append(f"  layout cost: not used (its {a['layouts']} layouts could not separate the coefficients)")
+        elif a["underdetermined"]:
+            out.append(f"  layout cost: not used (its {len(a['layouts'])} layouts could not separate the coefficients)")
         else:
+            err = "?" if a["max_error_pct"] is None else f"{a['max_error_pct']:g}"
             out.append(f"  layout cost: c_a {a['ms_per_row_entry']:.3g} ms per query row per KV entry, c_kv "
-                       f"{a['ms_per_slot_entry']:.3g} ms per slot per KV entry, largest error {a['max_error_pct']} % "
-                       f"on {a['layouts']} layouts")
+                       f"{a['ms_per_slot_entry']:.3g} ms per slot per KV entry, largest error {err} % "
+                       f"on {len(a['layouts'])} layouts")
         out += [f"  warning: {w}" for w in p["warnings"]] or ["  warnings: none"]
 
     out.append("")

@@ -185,7 +185,7 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
                 continue
             n = next(b for b in buckets if b >= sum(sizes))
             if progress:
-                progress(f"attention S={num} rows={sum(sizes)} P={cap}")
+                progress(f"attention S={num} rows={sum(sizes)} (longest {max(sizes)}) P={cap}")
             feed = _layout_feed(spec, sizes, num, cap, cap - w, n)
             stats = time_runner(engines.runner_exact("target", n), feed, warmup, repeats)
             rows.append({**_layout_of(feed), "N": n, "rows": sum(sizes), **stats})

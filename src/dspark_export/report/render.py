@@ -103,8 +103,21 @@ def _profile(manifest: Manifest) -> dict | None:
                      "sps": r["sps"], "served_by": served, "effective_sps": round(1000.0 / latency[served], 3)})
     return {"path": rel, "context_len": sps.get("context_len"), "warmup": sps.get("warmup"),
             "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.get("device", {}),
-            "target": rows, "drafter_block": drafter, "attention": sps.get("attention") or None,
+            "target": rows, "drafter_block": drafter, "attention": _attention(sps, path),
             "warnings": list(sps.get("warnings", []))}
+
+
+def _attention(sps: dict, path) -> dict | None:
+    """The layout-cost fit for the report (checked as the runtime reads it), its layout rows reduced to the
+    fields the table shows (None where one is missing)."""
+    from ..engines.inspect import attention_summary
+
+    fit = attention_summary(sps, path)
+    if fit is not None:
+        keys = ("S", "Q", "P", "rows", "N", "median_ms", "fit_ms")
+        fit["layouts"] = [{k: (r.get(k) if isinstance(r.get(k), (int, float)) else None) for k in keys}
+                          for r in fit["layouts"]]
+    return fit
 
 
 def _engines(manifest: Manifest) -> list[dict]:

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..engines.engine_set import EngineSet
 from ..engines.packing import PackedBatch, Segment, pack_segments
-from ..errors import EngineDirError, EngineRunError, RequestError
+from ..errors import EngineDirError, EngineRunError, ProfileError, RequestError
 from .kv_cache import KVCache
 from .policies import Policy
 from .request import GREEDY_BELOW, GenerationResult, SamplingParams
@@ -59,6 +59,8 @@ def _load_profile(engines: EngineSet) -> ThroughputProfile:
         raise EngineDirError(f"{manifest.root}: manifest has no profile; run `dspark-export profile`")
     try:
         return ThroughputProfile.from_json(json.loads(manifest.path_of(rel, "profile.path").read_text()))
+    except ProfileError as e:
+        raise EngineDirError(f"{manifest.root / rel}: {e}") from e
     except (OSError, json.JSONDecodeError, KeyError) as e:
         raise EngineDirError(f"{manifest.root / rel}: unreadable throughput profile ({e})") from e
 
