@@ -220,10 +220,13 @@ def test_overwrite_replaces_only_engine_directories(engine_dir, tiny_target_dir,
     assert (user / "important.txt").exists() and [p.name for p in tmp_path.iterdir()] == ["userdir", "afile"]
 
 
-def test_profile_reseals_the_manifest(engine_dir, tmp_path):
+def test_profile_reseals_the_manifest(engine_dir, tmp_path, capsys):
     copy = tmp_path / "copy"
     shutil.copytree(engine_dir, copy)
     assert cli_main(["profile", "--engine-dir", str(copy), "--context", "8", "--repeats", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    fit = json.loads((copy / "profile" / "sps.json").read_text())["attention"]
+    assert printed["layout_cost"] == {k: fit[k] for k in ("ms_per_row_entry", "ms_per_slot_entry", "max_error_pct")}
     m = Manifest.load(copy)
     assert m.data["profile"]["context_len"] == 8
     assert json.loads((copy / "profile" / "sps.json").read_text())["context_len"] == 8

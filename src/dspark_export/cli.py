@@ -222,7 +222,7 @@ def cmd_build(args) -> int:
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,
                       "seconds": {k: round(v, 2) for k, v in result.seconds.items()},
                       "sps": {row["B"]: row["sps"] for row in result.profile["target"]},
-                      "warnings": result.profile["warnings"],
+                      "layout_cost": _layout_cost(result.profile), "warnings": result.profile["warnings"],
                       "report": str(result.out / "report" / "index.html")
                       if (result.out / "report" / "index.html").is_file() else None}))
     return 0
@@ -319,8 +319,14 @@ def cmd_profile(args) -> int:
 
     sps = reprofile(args.engine_dir, args.context, args.repeats, progress=_progress)
     print(json.dumps({"context_len": sps["context_len"], "sps": {row["B"]: row["sps"] for row in sps["target"]},
-                      "warnings": sps["warnings"]}))
+                      "layout_cost": _layout_cost(sps), "warnings": sps["warnings"]}))
     return 0
+
+
+def _layout_cost(sps: dict) -> dict | None:
+    """The profile's layout-cost fit in one line of the command's JSON (docs/ARCHITECTURE.md, "The layout cost")."""
+    fit = sps.get("attention")
+    return {k: fit.get(k) for k in ("ms_per_row_entry", "ms_per_slot_entry", "max_error_pct")} if fit else None
 
 
 def cmd_report(args) -> int:
@@ -374,7 +380,8 @@ def cmd_trt(args) -> int:
         sps = build_trt_engines(TrtBuildConfig(args.engine_dir, context_len=args.context, repeats=args.repeats,
                                                builder_optimization_level=args.opt_level,
                                                overwrite=args.overwrite), progress=_progress)
-        print(json.dumps({"sps": {row["B"]: row["sps"] for row in sps["target"]}, "warnings": sps["warnings"]}))
+        print(json.dumps({"sps": {row["B"]: row["sps"] for row in sps["target"]}, "layout_cost": _layout_cost(sps),
+                          "warnings": sps["warnings"]}))
         return 0
     from .engines.trt.compare import compare_backends
 
