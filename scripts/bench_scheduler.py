@@ -9,6 +9,9 @@ many runs, each run timed on its own, after a warm-up. Single-threaded numpy; no
 Usage:
     python scripts/bench_scheduler.py                      # R = 16, γ = 7, 5000 runs per policy
     python scripts/bench_scheduler.py --requests 64 --block-size 7 --sps engines/smollm2/profile/sps.json
+
+With an sps.json that has the layout-cost fit, the profile is bound to S = R slots and --kv-capacity, as
+the runtime binds it, so dspark-async's decision includes its search over caps.
 """
 
 from __future__ import annotations
@@ -62,13 +65,17 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=7, help="γ, draft block size (7)")
     parser.add_argument("--runs", type=int, default=5000, help="timed decisions per policy (5000)")
     parser.add_argument("--sps", help="profile/sps.json of an engine directory (default: synthetic staircase)")
+    parser.add_argument("--kv-capacity", type=int, default=256,
+                        help="KV capacity P the profile is bound to with R slots, as the runtime binds it, when the "
+                             "profile has a layout-cost fit (256)")
     args = parser.parse_args()
     if args.sps:
         with open(args.sps) as f:
-            profile = ThroughputProfile.from_json(json.load(f))
+            profile = ThroughputProfile.from_json(json.load(f)).at(args.requests, args.kv_capacity)
     else:
         profile = synthetic_profile()
-    print(f"R={args.requests} γ={args.block_size} buckets={list(profile.buckets)}")
+    print(f"R={args.requests} γ={args.block_size} buckets={list(profile.buckets)} "
+          f"layout cost {'priced (S = R, P = %d)' % args.kv_capacity if profile.has_layout_cost else 'none'}")
     for policy in POLICIES:
         row = bench_policy(policy, profile, args.requests, args.block_size, args.runs)
         print(f"{row['policy']:>14}: median {row['median_us']:8.2f} µs   p90 {row['p90_us']:8.2f} µs"

@@ -224,3 +224,42 @@ def test_bench_layout_cost_script_small(engine_dir, tmp_path):  # noqa: F811
     with pytest.raises(SystemExit) as e:
         module.main(["--engine-dir", str(engine_dir), "--capacities", "48,4096"])   # past max_context 96
     assert e.value.code == 2
+
+
+def _best_plan_loop(survival, num_requests, profile, draft_at_zero, draft_slots=None):
+    """Reference for `_best_plan` with a layout cost: one `_throughputs` per cap, as the C++ port runs it."""
+    from dspark_export.runtime.scheduler import _sorted_candidates, _throughputs
+
+    order, ranked = _sorted_candidates(survival)
+    depth = order // max(survival.shape[0], 1) + 1
+    deepest = int(depth.max(initial=1))
+    best = None
+    for cap in range(1, deepest + 1):
+        keep = depth <= cap
+        theta = _throughputs(ranked[keep], num_requests, profile, draft_at_zero, draft_slots, depth[keep])
+        k = int(np.argmax(theta))
+        if best is None or theta[k] > best[2]:
+            best = (k, cap if cap < deepest else None, float(theta[k]), float(theta[0]))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vectorised_cap_search_equals_the_loop(seed):
+    from dspark_export.runtime.scheduler import _best_plan
+
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        rows, gamma = int(rng.integers(1, 17)), int(rng.integers(1, 9))
+        conf = rng.choice([0.0, 0.3, 0.5, 0.9, 1.0], size=(rows, gamma)) if rng.random() < 0.3 else \
+            rng.uniform(0, 1, (rows, gamma))
+        buckets = tuple(sorted(int(b) for b in rng.choice(np.arange(1, 129), int(rng.integers(1, 8)), replace=False)))
+        p = ThroughputProfile(buckets, tuple(float(x) for x in rng.uniform(5, 100, len(buckets))),
+                              (1, 16), (float(rng.uniform(0, 30)), float(rng.uniform(0, 30))),
+                              attention_ms=float(rng.uniform(0, 3e-3)), kv_read_ms=float(rng.uniform(0, 3e-3)),
+                              profiled_layout=tuple((int(rng.integers(1, 17)), int(rng.integers(1, 9)),
+                                                     int(rng.integers(16, 513))) for _ in buckets))
+        p = p.at(int(rng.integers(1, 17)), int(rng.integers(16, 2049)))
+        a = survival_probs(conf.astype(np.float32))
+        R = int(rng.integers(1, 17))
+        for draft_at_zero in (False, True):
+            assert _best_plan(a, R, p, draft_at_zero, 16) == _best_plan_loop(a, R, p, draft_at_zero, 16)

@@ -373,14 +373,28 @@ def _best_plan(survival: np.ndarray, num_requests: int, profile: ThroughputProfi
         return k, None, float(theta[k]), float(theta[0])
     depth = order // max(survival.shape[0], 1) + 1
     deepest = int(depth.max(initial=1))
-    best = None
-    for cap in range(1, deepest + 1):
-        keep = depth <= cap
-        theta = _throughputs(ranked[keep], num_requests, profile, draft_at_zero, draft_slots, depth[keep])
-        k = int(np.argmax(theta))
-        if best is None or theta[k] > best[2]:
-            best = (k, cap if cap < deepest else None, float(theta[k]), float(theta[0]))
-    return best
+    # Every cap at once, [L, 1 + n]: row L-1 holds Θ after each ranked candidate with j ≤ L (-inf where the
+    # candidate is over the cap), column 0 is k = 0. The same float operations as one `_throughputs` per cap
+    # (a cumulative sum over zeros where excluded adds nothing), so the result equals that loop bit for bit;
+    # the loop itself is what the C++ port runs (cpp/src/scheduler.cpp BestPlan).
+    n = ranked.size
+    keep = depth[None, :] <= np.arange(1, deepest + 1)[:, None]                       # [L, n]
+    tau = np.zeros((deepest, n + 1))
+    np.cumsum(np.where(keep, ranked, 0.0), axis=1, out=tau[:, 1:])
+    tau += num_requests
+    k = np.zeros((deepest, n + 1), np.int64)
+    np.cumsum(keep, axis=1, out=k[:, 1:])
+    widths = np.ones((deepest, n + 1), np.int64)
+    np.maximum.accumulate(np.where(keep, depth, 0), axis=1, out=widths[:, 1:])
+    widths[:, 1:] += 1
+    step_s = profile.step_seconds((num_requests + k).ravel(), widths.ravel()).reshape(k.shape)
+    draft = np.full(step_s.shape, profile.draft_seconds(num_requests if draft_slots is None else draft_slots))
+    if not draft_at_zero:
+        draft[:, 0] = 0.0
+    theta = tau / (step_s + draft)
+    theta[:, 1:][~keep] = -np.inf
+    cap, col = np.unravel_index(int(np.argmax(theta)), theta.shape)
+    return int(k[cap, col]), (int(cap) + 1 if cap + 1 < deepest else None), float(theta[cap, col]), float(theta[0, 0])
 
 
 def search_capacity(ranked: np.ndarray, num_requests: int, profile: ThroughputProfile, early_stop: bool,
