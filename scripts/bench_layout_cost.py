@@ -25,6 +25,7 @@ import numpy as np
 
 from dspark_export.engines.engine_set import EngineSet
 from dspark_export.engines.packing import Segment, pack_segments
+from dspark_export.engines.profiler import fit_layout_cost
 from dspark_export.runtime.kv_cache import KVCache
 from dspark_export.runtime.scheduler import ThroughputProfile
 
@@ -90,12 +91,7 @@ def main(argv=None) -> int:
         c.pop("_run")
         c["sps_only_ms"] = round(1e3 / profile.sps(c["B"]), 2)
         c["layout_ms"] = round(1e3 * float(profile.at(c["S"], c["P"]).step_seconds([c["B"]], [max(c["rows"])])[0]), 2)
-    ns = sorted({c["N"] for c in cases})
-    x = np.array([[float(c["N"] == n) for n in ns] + [c["S"] * c["Q"] * c["P"], c["S"] * c["P"]] for c in cases])
-    y = np.array([c["measured_ms"] for c in cases])
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
-    refit = {"ms_per_row_entry": float(coef[-2]), "ms_per_slot_entry": float(coef[-1]),
-             "max_error_pct": round(100 * float(np.max(np.abs(x @ coef / y - 1))), 1)}
+    refit, _ = fit_layout_cost(cases, latency_key="measured_ms")
     print(f"{'S':>3} {'rows':<28} {'P':>5} {'B':>4} {'N':>4} {'Q':>2} {'measured':>9} {'SPS(B)':>8} {'layout':>8}")
     for c in cases:
         rows = str(c["rows"]) if len(c["rows"]) <= 4 else f"[{c['rows'][0]}, {c['rows'][1]}, ... ×{len(c['rows'])}]"

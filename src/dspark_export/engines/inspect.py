@@ -24,7 +24,8 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
-from ..errors import BuildError, EngineDirError
+from ..errors import BuildError, EngineDirError, ProfileError
+from ..runtime.scheduler import ThroughputProfile
 from .manifest import MANIFEST_NAME, Manifest
 from .trt_ops import OPSET_RANGE, TABLE_SOURCE, TABLE_TRT_VERSION, Finding, check_model, our_plugins
 
@@ -265,9 +266,6 @@ def attention_summary(sps: dict, path) -> dict | None:
     Raises:
         EngineDirError: the fit (or a target row's S, Q, P under it) is malformed; names `path` and the field.
     """
-    from ..errors import ProfileError
-    from ..runtime.scheduler import ThroughputProfile
-
     fit = sps.get("attention") if isinstance(sps, dict) else None
     if not fit:
         return None

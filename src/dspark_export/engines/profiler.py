@@ -34,7 +34,7 @@ import onnxruntime as ort
 from .engine_set import EngineSet
 from .packing import Segment, pack_segments
 
-__all__ = ["measure_profile", "measure_layout_cost", "time_runner", "engine_feed"]
+__all__ = ["measure_profile", "measure_layout_cost", "fit_layout_cost", "time_runner", "engine_feed"]
 
 _FIT_WARN = 0.25   # a layout fit whose largest relative error exceeds this is reported in `warnings`
 
@@ -74,8 +74,8 @@ def _target_feed(spec: dict, bucket: int, context_len: int, block: int) -> dict:
 
 
 def _layout_feed(spec: dict, sizes: list[int], num_slots: int, capacity: int, context_len: int, bucket: int) -> dict:
-    """Segments of `sizes` rows in the first slots of `num_slots`, each at past length `context_len`, over a
-    zero KV buffer of `capacity` entries per slot, packed into `bucket` rows."""
+    """Segments of `sizes` rows in the first slots of `num_slots`, each at past length `context_len`, over
+    written KV buffers (`_kv_feed`) of `capacity` entries per slot, packed into `bucket` rows."""
     segments = [Segment(r, np.ones(q, np.int64), context_len) for r, q in enumerate(sizes)]
     packed = pack_segments(segments, num_slots, np.full(num_slots, context_len, np.int64), bucket)
     return {**packed.feed, **_kv_feed(spec, num_slots, capacity, "past_key", "past_value")}
@@ -191,22 +191,35 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
             rows.append({**_layout_of(feed), "N": n, "rows": sum(sizes), **stats})
     if not rows:
         return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": []}
-    ns = sorted({r["N"] for r in rows})
-    x = np.array([[float(r["N"] == n) for n in ns] + [r["S"] * r["Q"] * r["P"], r["S"] * r["P"]] for r in rows])
-    y = np.array([r["median_ms"] for r in rows])
+    fit, fitted = fit_layout_cost(rows)
+    for r, f in zip(rows, fitted):
+        r["fit_ms"] = f
+    return {**fit, "layouts": rows}
+
+
+def fit_layout_cost(layouts: list[dict], latency_key: str = "median_ms") -> tuple[dict, list[float | None]]:
+    """Least squares of t = T(N) + c_a·S·Q·P + c_kv·S·P (ms; one free T per bucket N) over timed layouts.
+
+    Args:
+        layouts: non-empty rows with integer "S", "Q", "P", "N" and the latency in ms under `latency_key`.
+        latency_key: the row field holding the measured latency. Defaults to "median_ms".
+    Returns:
+        ({"ms_per_row_entry": c_a, "ms_per_slot_entry": c_kv, "max_error_pct"}, the fitted ms per row).
+        Negative coefficients are set to 0 after the fit. Where the rows cannot identify both (e.g. one
+        capacity only), both are 0, the dict also has "underdetermined": True and the fitted values are None.
+    """
+    ns = sorted({r["N"] for r in layouts})
+    x = np.array([[float(r["N"] == n) for n in ns] + [r["S"] * r["Q"] * r["P"], r["S"] * r["P"]] for r in layouts])
+    y = np.array([r[latency_key] for r in layouts])
     if np.linalg.matrix_rank(x) < x.shape[1]:
-        # e.g. one capacity only (context_len + γ + 1 = max_context): c_a and c_kv cannot be told apart
-        for r in rows:
-            r["fit_ms"] = None
-        return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": rows,
-                "underdetermined": True}
+        return ({"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "underdetermined": True},
+                [None] * len(layouts))
     coef = np.linalg.lstsq(x, y, rcond=None)[0]
     coef[-2:] = np.maximum(coef[-2:], 0.0)
     fit = x @ coef
-    for r, f in zip(rows, fit):
-        r["fit_ms"] = round(float(f), 3)
-    return {"ms_per_row_entry": float(coef[-2]), "ms_per_slot_entry": float(coef[-1]),
-            "max_error_pct": round(float(np.max(np.abs(fit / y - 1.0))) * 100, 2), "layouts": rows}
+    return ({"ms_per_row_entry": float(coef[-2]), "ms_per_slot_entry": float(coef[-1]),
+             "max_error_pct": round(float(np.max(np.abs(fit / y - 1.0))) * 100, 2)},
+            [round(float(f), 3) for f in fit])
 
 
 def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3, repeats: int = 10,

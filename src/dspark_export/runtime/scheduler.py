@@ -331,25 +331,53 @@ def _throughputs(ranked: np.ndarray, num_requests: int, profile: ThroughputProfi
     With a layout cost (`ThroughputProfile.has_layout_cost`) and `depth` ([n] int, the position j of
     each ranked candidate), 1/SPS(R + k) becomes t(R + k, w_k), w_k = 1 + max depth of the first k.
     """
+    if depth is not None and profile.has_layout_cost:
+        keep = np.ones((1, ranked.size), bool)
+        return _layout_throughputs(ranked, depth, keep, num_requests, profile, draft_at_zero, draft_slots)[0][0]
     tau = np.empty(ranked.size + 1)
     tau[0] = 0.0
     np.cumsum(ranked, out=tau[1:])
     tau += num_requests
-    if depth is not None and profile.has_layout_cost:
-        widths = np.ones(ranked.size + 1, np.int64)
-        if ranked.size:
-            widths[1:] += np.maximum.accumulate(depth)
-        step_s = profile.step_seconds(num_requests + np.arange(ranked.size + 1), widths)
-    else:
-        sps = profile.sps_range(num_requests, ranked.size + 1)
-        if not profile.has_draft_cost:
-            return tau * sps
-        with np.errstate(divide="ignore"):
-            step_s = np.where(sps > 0, 1.0 / np.where(sps > 0, sps, 1.0), np.inf)
+    sps = profile.sps_range(num_requests, ranked.size + 1)
+    if not profile.has_draft_cost:
+        return tau * sps
+    with np.errstate(divide="ignore"):
+        step_s = np.where(sps > 0, 1.0 / np.where(sps > 0, sps, 1.0), np.inf)
     draft = np.full(step_s.shape, profile.draft_seconds(num_requests if draft_slots is None else draft_slots))
     if not draft_at_zero:
         draft[0] = 0.0
     return tau / (step_s + draft)
+
+
+def _layout_throughputs(ranked: np.ndarray, depth: np.ndarray, keep: np.ndarray, num_requests: int,
+                        profile: ThroughputProfile, draft_at_zero: bool,
+                        draft_slots: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Θ and K under a layout cost for several subsets of the ranked candidates at once.
+
+    Row l of `keep` ([L, n] bool) selects the candidates admitted in that row's order; Θ[l, i] is the
+    step's throughput after the i-th ranked candidate when it is kept (-inf where it is not), priced at
+    t(R + k, 1 + the deepest kept position so far); column 0 is k = 0. A cumulative sum over zeros where
+    a candidate is left out adds nothing, so each row equals `_throughputs` on that subset bit for bit.
+
+    Returns:
+        (Θ [L, 1 + n] float64, K [L, 1 + n] int64: the candidates admitted at each column).
+    """
+    n = ranked.size
+    tau = np.zeros((keep.shape[0], n + 1))
+    np.cumsum(np.where(keep, ranked, 0.0), axis=1, out=tau[:, 1:])
+    tau += num_requests
+    k = np.zeros((keep.shape[0], n + 1), np.int64)
+    np.cumsum(keep, axis=1, out=k[:, 1:])
+    widths = np.ones((keep.shape[0], n + 1), np.int64)
+    np.maximum.accumulate(np.where(keep, depth, 0), axis=1, out=widths[:, 1:])
+    widths[:, 1:] += 1
+    step_s = profile.step_seconds((num_requests + k).ravel(), widths.ravel()).reshape(k.shape)
+    draft = np.full(step_s.shape, profile.draft_seconds(num_requests if draft_slots is None else draft_slots))
+    if not draft_at_zero:
+        draft[:, 0] = 0.0
+    theta = tau / (step_s + draft)
+    theta[:, 1:][~keep] = -np.inf
+    return theta, k
 
 
 def _best_plan(survival: np.ndarray, num_requests: int, profile: ThroughputProfile, draft_at_zero: bool,
@@ -373,26 +401,10 @@ def _best_plan(survival: np.ndarray, num_requests: int, profile: ThroughputProfi
         return k, None, float(theta[k]), float(theta[0])
     depth = order // max(survival.shape[0], 1) + 1
     deepest = int(depth.max(initial=1))
-    # Every cap at once, [L, 1 + n]: row L-1 holds Θ after each ranked candidate with j ≤ L (-inf where the
-    # candidate is over the cap), column 0 is k = 0. The same float operations as one `_throughputs` per cap
-    # (a cumulative sum over zeros where excluded adds nothing), so the result equals that loop bit for bit;
-    # the loop itself is what the C++ port runs (cpp/src/scheduler.cpp BestPlan).
-    n = ranked.size
-    keep = depth[None, :] <= np.arange(1, deepest + 1)[:, None]                       # [L, n]
-    tau = np.zeros((deepest, n + 1))
-    np.cumsum(np.where(keep, ranked, 0.0), axis=1, out=tau[:, 1:])
-    tau += num_requests
-    k = np.zeros((deepest, n + 1), np.int64)
-    np.cumsum(keep, axis=1, out=k[:, 1:])
-    widths = np.ones((deepest, n + 1), np.int64)
-    np.maximum.accumulate(np.where(keep, depth, 0), axis=1, out=widths[:, 1:])
-    widths[:, 1:] += 1
-    step_s = profile.step_seconds((num_requests + k).ravel(), widths.ravel()).reshape(k.shape)
-    draft = np.full(step_s.shape, profile.draft_seconds(num_requests if draft_slots is None else draft_slots))
-    if not draft_at_zero:
-        draft[:, 0] = 0.0
-    theta = tau / (step_s + draft)
-    theta[:, 1:][~keep] = -np.inf
+    # every cap at once, row L - 1 for cap L: equal bit for bit to one `_throughputs` per cap, the loop the
+    # C++ port runs (cpp/src/scheduler.cpp BestPlan); argmax's first hit is the smallest L, then K
+    keep = depth[None, :] <= np.arange(1, deepest + 1)[:, None]
+    theta, k = _layout_throughputs(ranked, depth, keep, num_requests, profile, draft_at_zero, draft_slots)
     cap, col = np.unravel_index(int(np.argmax(theta)), theta.shape)
     return int(k[cap, col]), (int(cap) + 1 if cap + 1 < deepest else None), float(theta[cap, col]), float(theta[0, 0])
 
@@ -515,8 +527,7 @@ def dspark_async_lengths(confidence: np.ndarray, lagged_confidence: np.ndarray |
     if lagged_confidence is None or np.asarray(lagged_confidence).size == 0:
         return dspark_lengths(confidence, profile, max_lengths)
     R = np.asarray(confidence).shape[0]
-    k, cap, _, _ = _best_plan(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")), R,
-                              profile, draft_at_zero=False)
+    k, cap = _lagged_plan(lagged_confidence, R, profile)
     limit = max_lengths if cap is None else (
         np.full(R, cap, np.int64) if max_lengths is None else np.minimum(np.asarray(max_lengths), cap))
     a = survival_probs(confidence, limit)
@@ -584,5 +595,11 @@ def dspark_async_capacity(lagged_confidence: np.ndarray, num_requests: int, prof
     Returns:
         K* ≥ 0, the number of draft positions to verify this step.
     """
-    return _best_plan(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")), num_requests,
-                      profile, draft_at_zero=False)[0]
+    return _lagged_plan(lagged_confidence, num_requests, profile)[0]
+
+
+def _lagged_plan(lagged_confidence: np.ndarray, num_requests: int, profile: ThroughputProfile) -> tuple[int, int | None]:
+    """§5.2's (K*, cap L* or None) from the lagged confidences, K = 0 priced without the drafter."""
+    k, cap, _, _ = _best_plan(survival_probs(_check_confidence(lagged_confidence, "lagged_confidence")),
+                              num_requests, profile, draft_at_zero=False)
+    return k, cap
