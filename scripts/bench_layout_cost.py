@@ -27,7 +27,7 @@ from dspark_export.engines.engine_set import EngineSet
 from dspark_export.engines.packing import Segment, pack_segments
 from dspark_export.engines.profiler import fit_layout_cost
 from dspark_export.runtime.kv_cache import KVCache
-from dspark_export.runtime.scheduler import ThroughputProfile
+from dspark_export.engines.sps import ThroughputProfile
 
 
 def layouts(slots: int, width: int) -> list[tuple[int, list[int]]]:

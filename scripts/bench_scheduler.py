@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-from dspark_export.runtime.policies import ThroughputProfile, parse_policy
+from dspark_export.engines.sps import ThroughputProfile
+from dspark_export.runtime.policies import parse_policy
 
 POLICIES = ("ar", "fixed:7", "threshold:0.7", "dspark", "dspark-async")
 

@@ -2,7 +2,7 @@
 """Write the JSON test vectors that hold the native C++ scheduler (cpp/) equal to the Python one.
 
 Every expected value is computed here by the Python implementation (`runtime.policies`,
-`runtime.scheduler`, `plugins.speculative_verify.reference`, `engines.manifest`); the C++ tests
+`runtime.scheduler`, `engines.sps`, `plugins.speculative_verify.reference`, `engines.manifest`); the C++ tests
 (`cpp/tests/test_native.cpp`) read the files and must reproduce them exactly.
 
     python scripts/make_cpp_vectors.py --out build/cpp/vectors [--cases 1000] [--seed 0]
@@ -32,10 +32,10 @@ import numpy as np
 
 from dspark_export.engines.manifest import Manifest
 from dspark_export.errors import DsparkExportError
-from dspark_export.plugins.common import SamplingParams as OpSampling
+from dspark_export.plugins.common.sampling import SamplingBatch
 from dspark_export.plugins.speculative_verify.reference import speculative_verify
 from dspark_export.runtime.policies import parse_policy
-from dspark_export.runtime.scheduler import ThroughputProfile
+from dspark_export.engines.sps import ThroughputProfile
 
 
 def _f32_list(a: np.ndarray) -> list:
@@ -185,7 +185,7 @@ def _verify_once(case: dict) -> tuple[int, int]:
     out = speculative_verify(
         tl, np.array([0, n + 1], np.int64), np.asarray([case["draft_ids"]], np.int64),
         np.asarray([case["draft_logits"]], np.float32), np.array([n], np.int64),
-        OpSampling(np.array([case["temperature"]], np.float32), np.array([case["top_k"]], np.int64),
+        SamplingBatch(np.array([case["temperature"]], np.float32), np.array([case["top_k"]], np.int64),
                    np.array([case["top_p"]], np.float32)),
         np.asarray([case["uniforms"]], np.float32))
     return int(out.num_accepted[0]), int(out.next_ids[0])
@@ -216,7 +216,7 @@ def verify_vectors(rng: np.random.Generator, cases: int) -> dict:
         warped = None
         ids = rng.integers(0, V, g)
         if kind in ("close", "one-hot"):  # draw the drafts from the draft distribution, as the drafter does
-            from dspark_export.plugins.common import sample_from_probs, warp_probs
+            from dspark_export.plugins.common.sampling import sample_from_probs, warp_probs
             warped = warp_probs(draft, np.full(g, temperature, np.float32), np.full(g, top_k, np.int64),
                                 np.full(g, top_p, np.float32))
             ids = sample_from_probs(warped, rng.random(g, dtype=np.float32))

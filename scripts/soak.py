@@ -64,7 +64,7 @@ class Record:
 
 def load_texts(datasets_dir: Path | None) -> list[str]:
     """First turns of the eval prompts (../shared/eval_datasets), or a built-in list without them."""
-    from dspark_export.bench.common import read_dataset
+    from dspark_export.datasets import read_dataset
 
     if datasets_dir is None or not Path(datasets_dir).is_dir():
         return list(FALLBACK_TEXTS)
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the report here too")
     args = p.parse_args(argv)
 
-    from dspark_export.bench.common import default_datasets_dir
+    from dspark_export.datasets import default_datasets_dir
     from dspark_export.runtime.api import Runtime
 
     say = (lambda msg: print(f"[soak] {msg}", file=sys.stderr, flush=True))

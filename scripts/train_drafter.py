@@ -49,7 +49,7 @@ def _target(args):
 
 
 def cmd_data(args, say):
-    from dspark_export.bench.common import default_datasets_dir
+    from dspark_export.datasets import default_datasets_dir
     from dspark_export.training.data import generate_responses
     from dspark_export.training.split import load_split
 

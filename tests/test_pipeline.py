@@ -242,7 +242,7 @@ def test_fixed_k_beyond_the_block_size_is_refused(engine_dir):
 
 def test_bucket_choice_prefers_a_faster_larger_engine(engine_dir):
     from dspark_export.engines.engine_set import EngineSet
-    from dspark_export.runtime.scheduler import ThroughputProfile
+    from dspark_export.engines.sps import ThroughputProfile
 
     engines = EngineSet.open(engine_dir, verify=False)
     engines._latency_ms["target"] = {1: 5.0, 2: 9.0, 4: 7.0, 8: 12.0, 16: 20.0, 32: 40.0, 64: 80.0}

@@ -228,56 +228,23 @@ def cmd_build(args) -> int:
     return 0
 
 
-def _read_prompts(path: Path) -> list[tuple[str | None, str | None]]:
-    """(prompt, error) per non-empty line; a bad line (not UTF-8, not JSON, no string 'prompt')
-    becomes an error for that prompt only, naming file and line."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError as e:
-        raise RequestError(f"{path}: prompts file not found") from e
-    except OSError as e:
-        raise RequestError(f"{path}: cannot read the prompts file ({e.strerror})") from e
-    out = []
-    for n, line in enumerate(raw.split(b"\n"), 1):
-        if n == 1 and line.startswith(b"\xef\xbb\xbf"):
-            line = line[3:]  # UTF-8 byte-order mark
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            out.append((None, f"{path}:{n}: not valid UTF-8"))
-            continue
-        except json.JSONDecodeError:
-            obj = None
-        prompt = obj.get("prompt") if isinstance(obj, dict) else None
-        if not isinstance(prompt, str):
-            out.append((None, f"{path}:{n}: expected a JSON object with a string 'prompt' field"))
-        elif not prompt:
-            out.append((prompt, f"{path}:{n}: 'prompt' is empty (expected text)"))
-        else:
-            out.append((prompt, None))
-    if not out:
-        raise RequestError(f"{path}: no prompts (expected one JSON object with a 'prompt' field per line)")
-    return out
-
-
 def cmd_generate(args) -> int:
     from tqdm import tqdm
 
+    from .datasets import read_prompts
     from .runtime.api import Runtime
     from .runtime.policies import parse_policy
     from .runtime.request import GenerationResult, SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-    params.validate()
-    parse_policy(args.policy)
+    params.validate()          # bad argv exits 2 before the engines load; the generator checks again at submit
+    policy = parse_policy(args.policy)
     if args.prompt == "":       # refused before the engines load (a chat template would wrap it into a prompt)
         raise RequestError("--prompt: expected text, found an empty string")
-    items = [(args.prompt, None)] if args.prompt is not None else _read_prompts(args.prompts_file)
+    items = [(args.prompt, None)] if args.prompt is not None else read_prompts(args.prompts_file)
     _progress(f"loading {args.engine_dir}")
-    rt = Runtime.open(args.engine_dir, policy=args.policy, verify=not args.no_verify, backend=args.backend)
+    rt = Runtime.open(args.engine_dir, policy=policy, verify=not args.no_verify, backend=args.backend)
     if not rt.engines.manifest.runtime.get("drafter_trained", False) and rt.policy.drafts:
         _progress("note: this engine directory's drafter is untrained: drafts are rarely accepted")
     _progress(f"generating {len(items)} prompt(s) with policy {rt.policy}")

@@ -24,8 +24,9 @@ import psutil
 from . import __version__
 from .engines.engine_set import EngineSet
 from .engines.manifest import EngineKey, Manifest, write_json_atomic
-from .engines.onnxruntime import engine_spec
+from .engines.ort.runner import engine_spec
 from .engines.profiler import measure_profile
+from .engines.sps import SPS_PATH, encode_sps, write_sps
 from .errors import BuildError, ConfigError, ProfileError
 from .exporter.drafter import export_drafter
 from .exporter.target import export_target
@@ -218,14 +219,14 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     profile = measure_profile(engines, cfg.profile_context, repeats=cfg.profile_repeats,
                               progress=lambda label: say(f"profiling {label}"))
     del engines
-    write_json_atomic(root / "profile" / "sps.json", profile)
+    write_sps(root / SPS_PATH, profile)
     seconds["profile"] = time.perf_counter() - t0
     for w in profile["warnings"]:
         log.warning("throughput profile: %s", w)
-    manifest.data["profile"] = {"path": "profile/sps.json", "context_len": cfg.profile_context,
+    manifest.data["profile"] = {"path": SPS_PATH, "context_len": cfg.profile_context,
                                 "warnings": profile["warnings"]}
     manifest.data["build"] = {"seconds": {k: round(v, 2) for k, v in seconds.items()}}
-    manifest.record_files(["profile/sps.json"])  # everything else was hashed before profiling and is unchanged
+    manifest.record_files([SPS_PATH])  # everything else was hashed before profiling and is unchanged
     manifest.save()
     say("writing report/index.html")
     _write_report(manifest)
@@ -351,9 +352,9 @@ def reprofile(engine_dir: Path, context_len: int, repeats: int, progress: Progre
     engines = EngineSet(manifest)
     profile = measure_profile(engines, context_len, repeats=repeats, progress=progress)
     del engines
-    manifest.data["profile"] = {"path": "profile/sps.json", "context_len": context_len,
+    manifest.data["profile"] = {"path": SPS_PATH, "context_len": context_len,
                                 "warnings": profile["warnings"]}
-    manifest.replace_file("profile/sps.json", (json.dumps(profile, indent=2) + "\n").encode())
+    manifest.replace_file(SPS_PATH, encode_sps(profile))
     if manifest.data.get("report"):  # keep the report in step with the profile it shows
         _write_report(manifest)
     return profile

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from dspark_export.bench.acceptance import (AcceptanceBenchConfig, run_acceptance_bench, select_rows,
-                                            write_reports)
+from dspark_export.bench.acceptance import AcceptanceBenchConfig, run_acceptance_bench, write_reports
+from dspark_export.datasets import select_rows
 from dspark_export.cli import main as cli_main
 from dspark_export.errors import ConfigError
 

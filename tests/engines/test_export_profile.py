@@ -12,7 +12,7 @@ import pytest
 from dspark_export.cli import main as cli_main
 from dspark_export.engines.export_profile import _sglang_sps, _trtllm_cost, sps_staircase
 from dspark_export.errors import ProfileError
-from dspark_export.runtime.scheduler import ThroughputProfile
+from dspark_export.engines.sps import ThroughputProfile
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8), request_buckets=(1, 2), max_context=64, profile_context=16,
                profile_repeats=2, block_size=4, markov_rank=8)

@@ -1,4 +1,4 @@
-"""`dspark-export inspect`: summary, integrity, and the TensorRT operator check (engines/inspect.py, trt_ops.py)."""
+"""`dspark-export inspect`: summary, integrity, and the TensorRT operator check (engines/inspect.py, engines/trt/ops.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from dspark_export.cli import main as cli_main
 from dspark_export.engines.inspect import inspect_engine_dir
-from dspark_export.engines.trt_ops import OPS, TOPK_MAX_K, check_model
+from dspark_export.engines.trt.ops import OPS, TOPK_MAX_K, check_model
 from dspark_export.errors import ConfigError
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8), request_buckets=(1, 2), max_context=64,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_export.engines.engine_set import EngineSet
-from dspark_export.engines.onnxruntime import uses_shared_session
+from dspark_export.engines.ort.runner import uses_shared_session
 from dspark_export.engines.profiler import engine_feed
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy

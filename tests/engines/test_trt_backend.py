@@ -13,7 +13,7 @@ import pytest
 from dspark_export.cli import main as cli_main
 from dspark_export.engines.engine_set import EngineSet, _backend_view
 from dspark_export.engines.manifest import Manifest
-from dspark_export.engines.onnxruntime import OrtRunner
+from dspark_export.engines.ort.runner import OrtRunner
 from dspark_export.engines.profiler import engine_feed
 from dspark_export.engines.trt import has_tensorrt, tensorrt_unavailable_reason
 from dspark_export.engines.trt.builder import plan_build

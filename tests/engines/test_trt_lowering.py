@@ -1,7 +1,7 @@
 """The TensorRT lowering (engines/trt/lowering.py) and `inspect --trt-compat` on the lowered graphs.
 
 Runs without TensorRT: the lowered graphs are checked with the ONNX checker, strict shape inference and
-the TensorRT 10.15 operator table (engines/trt_ops.py).
+the TensorRT 10.15 operator table (engines/trt/ops.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from onnx import TensorProto, helper
 from dspark_export.cli import main as cli_main
 from dspark_export.engines.manifest import Manifest
 from dspark_export.engines.trt.lowering import LOWERED_SUFFIX, PLACEHOLDER_PREFIX, lower_file, lower_model
-from dspark_export.engines.trt_ops import check_model
+from dspark_export.engines.trt.ops import check_model
 from dspark_export.errors import BuildError
 from dspark_export.plugins.graph import make_op_model
-from dspark_export.plugins.tensorrt_spec import PLUGIN_SPECS
+from dspark_export.plugins.registry import PLUGIN_SPECS
 
 BUCKETS = dict(target_buckets=(1, 2, 8), request_buckets=(1, 2), max_context=64,
                profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)

@@ -13,7 +13,7 @@ from dspark_export.exporter.drafter import (build_drafter_graphs, drafter_block_
 from dspark_export.modeling.config import DrafterConfig
 from dspark_export.modeling.drafter import init_drafter
 from dspark_export.modeling.target import wrap_target
-from dspark_export.plugins.common import SamplingParams
+from dspark_export.plugins.common.sampling import SamplingBatch
 from dspark_export.plugins.markov_draft.reference import MarkovDraftWeights, markov_draft
 
 GAMMA = 4
@@ -71,7 +71,7 @@ def test_drafter_graphs_match_pytorch(tiny_target, markov_rank, confidence, with
             keys[i][r, :, :n] = out[f"context_key.{i}"].transpose(1, 0, 2)
             vals[i][r, :, :n] = out[f"context_value.{i}"].transpose(1, 0, 2)
     anchors = np.array([7, 100, 3])
-    sampling = SamplingParams(np.array([0.0, 0.8, 1.2], np.float32), np.array([0, 5, 0]),
+    sampling = SamplingBatch(np.array([0.0, 0.8, 1.2], np.float32), np.array([0, 5, 0]),
                               np.array([1.0, 1.0, 0.9], np.float32))
     uniforms = rng.random((R, GAMMA), dtype=np.float32)
     sts = np.array([1.0, 1.5, 0.7, 2.0], np.float32)

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import onnxruntime as ort
 
-from dspark_export.plugins.common import SamplingParams, sample_from_probs, warp_probs
+from dspark_export.plugins.common.sampling import SamplingBatch, sample_from_probs, warp_probs
 from dspark_export.plugins.graph import make_op_model
 
 F32, I64 = np.float32, np.int64
@@ -74,7 +74,7 @@ def verify_feeds(rng, case: str, verify_lens, gamma: int, vocab=50, extra_rows=2
     noise = random_logits(rng, (num_requests, gamma, vocab), has_ties) * 0.3
     draft_logits = (target_logits[rows] + noise).astype(F32)
     sampling = sampling_feeds(case, num_requests)
-    params = SamplingParams(sampling["temperature"], sampling["top_k"], sampling["top_p"])
+    params = SamplingBatch(sampling["temperature"], sampling["top_k"], sampling["top_p"])
     draft_probs = warp_probs(draft_logits, *params.expand(gamma))
     draft_ids = sample_from_probs(draft_probs, rng.random((num_requests, gamma), dtype=F32))
     draft_ids = np.where(np.arange(gamma) < verify_lens[:, None], draft_ids, -1)  # placeholders past the width

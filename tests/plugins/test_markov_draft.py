@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dspark_export.errors import PluginError
-from dspark_export.plugins.common import SamplingParams, warp_probs
+from dspark_export.plugins.common.sampling import SamplingBatch, warp_probs
 from dspark_export.plugins.markov_draft.onnx_function import make_node
 from dspark_export.plugins.markov_draft.reference import MarkovDraftWeights, markov_draft, run
 from dspark_export.plugins.markov_draft.schema import MarkovDraftConfig
@@ -133,7 +133,7 @@ def test_errors_name_the_input_and_the_shapes(mutation, pattern):
 
 
 def test_function_api_rejects_mismatched_feeds():
-    sampling = SamplingParams(np.zeros(1, F32), np.zeros(1, I64), np.ones(1, F32))
+    sampling = SamplingBatch(np.zeros(1, F32), np.zeros(1, I64), np.ones(1, F32))
     with pytest.raises(PluginError, match="'base_logits'"):
         markov_draft(np.zeros((1, 4), F32), np.zeros((1, 4, 2), F32), np.zeros(1, I64), sampling,
                      np.zeros((1, 4), F32), np.ones(4, F32), MarkovDraftWeights())

@@ -1,4 +1,4 @@
-"""plugins/common.py (numpy warp and sample) and its ONNX twin plugins/onnx_sampling.py."""
+"""plugins/common/sampling.py (numpy warp and sample) and its ONNX twin plugins/common/onnx_sampling.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from dspark_export.errors import PluginError
-from dspark_export.plugins.common import SamplingParams, check_sampling_values, sample_from_probs, warp_probs
-from dspark_export.plugins.onnx_builder import NodeBuilder, opset_imports
-from dspark_export.plugins.onnx_sampling import emit_sample, emit_warp_probs
+from dspark_export.plugins.common.sampling import SamplingBatch, check_sampling_values, sample_from_probs, warp_probs
+from dspark_export.plugins.common.onnx_builder import NodeBuilder, opset_imports
+from dspark_export.plugins.common.onnx_sampling import emit_sample, emit_warp_probs
 from plugin_cases import SAMPLING_CASES, random_logits, sampling_feeds
 
 F32, I64 = np.float32, np.int64
@@ -98,7 +98,7 @@ def test_check_sampling_values_rejects_out_of_range(name, value):
                   uniforms=np.zeros((2, 3), F32))
     arrays[name] = arrays[name].copy()
     arrays[name].flat[0] = value
-    params = SamplingParams(arrays["temperature"], arrays["top_k"], arrays["top_p"])
+    params = SamplingBatch(arrays["temperature"], arrays["top_k"], arrays["top_p"])
     with pytest.raises(PluginError, match=name):
         check_sampling_values("dspark::Test", params, arrays["uniforms"])
 

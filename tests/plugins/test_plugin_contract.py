@@ -1,4 +1,4 @@
-"""plugins/contract.py and the two schema.py files: specs, boundary checks, docstring tables."""
+"""plugins/common/contract.py and the two schema.py files: specs, boundary checks, docstring tables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dspark_export.errors import PluginError
-from dspark_export.plugins.contract import OpSchema, TensorSpec, make_schema_table
+from dspark_export.plugins.common.contract import OpSchema, TensorSpec, make_schema_table
 from dspark_export.plugins.markov_draft import schema as markov_draft_schema
 from dspark_export.plugins.speculative_verify import schema as verify_schema
 

@@ -13,7 +13,7 @@ from dspark_export.plugins.common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_V
 from dspark_export.plugins.graph import make_op_model
 from dspark_export.plugins.markov_draft.onnx_function import make_function as make_markov_function
 from dspark_export.plugins.markov_draft.onnx_function import make_node as make_markov_node
-from dspark_export.plugins.onnx_builder import opset_imports
+from dspark_export.plugins.common.onnx_builder import opset_imports
 from dspark_export.plugins.registry import OP_REGISTRY, get_op
 from dspark_export.plugins.speculative_verify.onnx_function import make_function as make_verify_function
 from dspark_export.plugins.speculative_verify.onnx_function import make_node as make_verify_node

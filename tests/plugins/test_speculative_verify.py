@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dspark_export.errors import PluginError
-from dspark_export.plugins.common import sample_from_probs, warp_probs
+from dspark_export.plugins.common.sampling import sample_from_probs, warp_probs
 from dspark_export.plugins.speculative_verify.onnx_function import make_function, make_node
 from dspark_export.plugins.speculative_verify.reference import run
 from plugin_cases import SAMPLING_CASES, freeze, run_ort, verify_feeds

@@ -27,8 +27,9 @@ from dspark_export.errors import BuildError, PluginError
 from dspark_export.plugins.graph import make_op_model
 from dspark_export.plugins.markov_draft import reference as markov_reference
 from dspark_export.plugins.speculative_verify import reference as verify_reference
-from dspark_export.plugins.tensorrt_spec import DEFAULT_BLOCK_V, DEFAULT_NUM_PROBES, PLUGIN_SPECS
-from dspark_export.plugins.triton_support import has_triton
+from dspark_export.plugins.common.tensorrt_spec import DEFAULT_BLOCK_V, DEFAULT_NUM_PROBES
+from dspark_export.plugins.registry import PLUGIN_SPECS
+from dspark_export.plugins.common.triton_support import has_triton
 from plugin_cases import MARKOV_CONFIGS, markov_feeds, verify_feeds
 
 needs_triton = pytest.mark.skipif(

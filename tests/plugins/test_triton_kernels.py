@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from dspark_export.errors import PluginError
-from dspark_export.plugins import triton_support
+from dspark_export.plugins.common import triton_support
 from dspark_export.plugins.markov_draft import reference as markov_reference
 from dspark_export.plugins.registry import OP_REGISTRY
 from dspark_export.plugins.speculative_verify import reference as verify_reference
-from dspark_export.plugins.triton_support import has_triton
+from dspark_export.plugins.common.triton_support import has_triton
 from plugin_cases import MARKOV_CONFIGS, SAMPLING_CASES, markov_feeds, sampling_feeds, verify_feeds
 from triton_interpreter import InterpreterWorker
 

@@ -21,7 +21,7 @@ import numpy as np
 _KERNEL_MODULES = (
     "dspark_export.plugins.markov_draft.triton_kernel",
     "dspark_export.plugins.speculative_verify.triton_kernel",
-    "dspark_export.plugins.tensorrt_kernels",  # the TensorRT-order wrappers of the two kernels
+    "dspark_export.plugins.tensorrt_kernels",  # imports the TensorRT-order wrappers of the two kernels
 )
 _TIMEOUT_S = 300
 

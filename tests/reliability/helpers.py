@@ -10,7 +10,7 @@ import numpy as np
 
 from dspark_export.engines.packing import Segment, pack_segments
 from dspark_export.runtime.kv_cache import KVCache
-from dspark_export.runtime.self_draft import TargetDrafter
+from ..runtime.self_draft import TargetDrafter
 
 
 # -- invariants ------------------------------------------------------------------------------

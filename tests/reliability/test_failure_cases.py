@@ -2,7 +2,7 @@
 random Llama (tests/conftest.py) unless the row needs real text (then `real_model`, in
 test_real_model_cases.py). Rows already covered elsewhere are listed in tests/reliability/README.md.
 
-"Self-draft" (drafter := target) is `runtime.self_draft.TargetDrafter`: the target engine drafts
+"Self-draft" (drafter := target) is `tests/runtime/self_draft.py: TargetDrafter`: the target engine drafts
 for itself with single-token passes, so in fp32 every greedy draft must be accepted.
 """
 
@@ -13,9 +13,9 @@ import onnx
 import pytest
 
 from dspark_export.engines.packing import Segment, pack_segments
-from dspark_export.plugins.common import sample_from_probs, warp_probs
+from dspark_export.plugins.common.sampling import sample_from_probs, warp_probs
 from dspark_export.runtime.request import SamplingParams
-from dspark_export.runtime.self_draft import TargetDrafter
+from ..runtime.self_draft import TargetDrafter
 
 from .conftest import ar_tokens, generator, random_prompt, run_steps
 from .helpers import (EditedDrafter, RecordingRunner, ScriptedPolicy, byte_detokenizer, check_caches_equal_fresh,
@@ -291,7 +291,7 @@ def test_sd07_rejection_leaves_shared_target_rows_untouched():
     """SD-07: T=1, the drafter supplies no probabilities (q one-hot), the first draft is rejected, and
     2 requests share one target-logits buffer: the inputs are bitwise unchanged afterwards, and
     request 1 (sharing request 0's rows) gets the same outputs as when run alone."""
-    from dspark_export.plugins.common import SamplingParams as OpParams
+    from dspark_export.plugins.common.sampling import SamplingBatch
     from dspark_export.plugins.speculative_verify.reference import speculative_verify
     from tests.plugins.plugin_cases import run_ort
 
@@ -307,7 +307,7 @@ def test_sd07_rejection_leaves_shared_target_rows_untouched():
     snapshot = {k: v.copy() for k, v in feeds.items()}
     both = run_ort("SpeculativeVerify", {}, feeds)
     ref = speculative_verify(feeds["target_logits"], feeds["query_start"], feeds["draft_ids"], feeds["draft_logits"],
-                             feeds["verify_lens"], OpParams(feeds["temperature"], feeds["top_k"], feeds["top_p"]),
+                             feeds["verify_lens"], SamplingBatch(feeds["temperature"], feeds["top_k"], feeds["top_p"]),
                              feeds["uniforms"])
     for k in feeds:
         np.testing.assert_array_equal(feeds[k], snapshot[k])

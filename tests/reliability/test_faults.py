@@ -15,7 +15,7 @@ import pytest
 
 from dspark_export.errors import EngineDirError
 from dspark_export.runtime.request import SamplingParams
-from dspark_export.runtime.self_draft import TargetDrafter
+from ..runtime.self_draft import TargetDrafter
 
 from .conftest import ar_tokens, generator, random_prompt, run_steps
 from .helpers import check_caches_equal_fresh, check_lengths, wrap_runners

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dspark_export.runtime.request import SamplingParams
-from dspark_export.runtime.self_draft import TargetDrafter
+from ..runtime.self_draft import TargetDrafter
 
 from .conftest import generator
 

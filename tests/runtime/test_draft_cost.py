@@ -12,9 +12,10 @@ from dspark_export.runtime import generator
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
-from dspark_export.runtime.scheduler import (ThroughputProfile, dspark_async_capacity, dspark_lengths,
+from dspark_export.engines.sps import ThroughputProfile
+from dspark_export.runtime.scheduler import (dspark_async_capacity, dspark_lengths,
                                              expected_throughput, mean_survival_capacity)
-from dspark_export.runtime.self_draft import TargetDrafter
+from .self_draft import TargetDrafter
 
 from ..test_pipeline import BUCKETS, PROMPTS  # noqa: F401  (same tiny engine directory)
 from ..test_pipeline import engine_dir, runtime  # noqa: F401  (module fixtures)

@@ -1,5 +1,5 @@
 """The layout cost of a step: padded attention priced by the profile and searched by the policies
-(runtime/scheduler.py ThroughputProfile.at / step_seconds / _best_plan, engines/profiler.py
+(engines/sps.py ThroughputProfile.at / step_seconds, runtime/scheduler.py _best_plan, engines/profiler.py
 measure_layout_cost, Generator._step_profile)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dspark_export.engines.packing import Segment, pack_segments, padded_width
 from dspark_export.errors import ProfileError
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
-from dspark_export.runtime.scheduler import (ThroughputProfile, dspark_async_lengths, dspark_lengths,
+from dspark_export.engines.sps import ThroughputProfile
+from dspark_export.runtime.scheduler import (dspark_async_lengths, dspark_lengths,
                                              expected_throughput, mean_survival_capacity, survival_probs)
 
 from ..test_pipeline import BUCKETS, PROMPTS  # noqa: F401  (same tiny engine directory)

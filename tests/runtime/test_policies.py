@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from dspark_export.errors import ConfigError, ProfileError, RequestError
-from dspark_export.plugins.common import SamplingParams
+from dspark_export.plugins.common.sampling import SamplingBatch
 from dspark_export.plugins.speculative_verify.reference import speculative_verify
 from dspark_export.runtime.policies import Policy, parse_policy, threshold_lengths
-from dspark_export.runtime.scheduler import (ThroughputProfile, dspark_async_lengths, dspark_lengths,
+from dspark_export.engines.sps import ThroughputProfile
+from dspark_export.runtime.scheduler import (dspark_async_lengths, dspark_lengths,
                                              expected_throughput, survival_probs)
 
 GAMMA = 7
@@ -316,7 +317,7 @@ def _first_token_distribution(lengths_of) -> np.ndarray:
             np.tile(target, (num * (length + 1), 1)), np.arange(num + 1, dtype=np.int64) * (length + 1),
             np.tile(np.array([x1, 0], np.int64), (num, 1)), np.tile(draft, (num, 2, 1)),
             np.full(num, length, np.int64),
-            SamplingParams(np.ones(num, np.float32), np.zeros(num, np.int64), np.ones(num, np.float32)), uniforms)
+            SamplingBatch(np.ones(num, np.float32), np.zeros(num, np.int64), np.ones(num, np.float32)), uniforms)
         first = np.where(out.num_accepted >= 1, x1, out.next_ids)
         probs += 0.5 * np.bincount(first, minlength=2) / num
     return probs

@@ -10,7 +10,7 @@ from dspark_export.errors import EngineRunError
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
-from dspark_export.runtime.self_draft import TargetDrafter
+from .self_draft import TargetDrafter
 from ..reliability.helpers import check_caches_equal_fresh, check_lengths
 from ..test_pipeline import engine_dir, runtime  # noqa: F401  (module fixtures)
 

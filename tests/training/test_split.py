@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_export.bench.acceptance import DEFAULT_DATASETS, DEFAULT_SEED, select_rows
-from dspark_export.bench.common import default_datasets_dir, read_dataset
+from dspark_export.datasets import DEFAULT_DATASETS, DEFAULT_SEED, default_datasets_dir, read_dataset, select_rows
 from dspark_export.errors import ConfigError
 from dspark_export.training.split import EVAL_ONLY, EVAL_ROWS_PER_DATASET, load_split, make_split, split_rows
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dspark_export.bench.common import default_datasets_dir
+from dspark_export.datasets import default_datasets_dir
 from dspark_export.modeling.checkpoint import read_drafter_config
 
 from ..script_loader import load_script

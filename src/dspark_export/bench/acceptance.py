@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -45,16 +44,12 @@ from ..progress import Eta
 from ..runtime.generator import Generator
 from ..runtime.policies import parse_policy
 from ..runtime.request import SamplingParams
-from .common import check_datasets, check_engine_dir, check_generation, is_int, read_dataset
+from ..datasets import DEFAULT_DATASETS, DEFAULT_SEED, DOMAINS, read_dataset, select_rows
+from .common import check_datasets, check_engine_dir, check_generation, is_int
 
 __all__ = ["AcceptanceBenchConfig", "run_acceptance_bench", "write_reports", "markdown_table",
            "DEFAULT_DATASETS", "DOMAINS", "DEFAULT_SEED", "domain_of"]
 
-DOMAINS = {"math": ("gsm8k", "math500", "aime25"),
-           "code": ("mbpp", "humaneval", "livecodebench"),
-           "chat": ("mt-bench", "arena-hard-v2")}
-DEFAULT_DATASETS = tuple(d for names in DOMAINS.values() for d in names)
-DEFAULT_SEED = 980406
 WARMUP_TOKENS = 4
 
 
@@ -129,16 +124,6 @@ class AcceptanceBenchConfig:
                 "policy": self.policy, "max_new_tokens": self.max_new_tokens, "seed": self.seed,
                 "chat": self.chat, "warmup": self.warmup, "threads": self.threads,
                 "max_concurrency": self.max_concurrency}
-
-
-def select_rows(texts: list[str], samples: int, seed: int) -> list[int]:
-    """Indices (among the file's prompts) of the rows to run: all of them in file order when the file
-    has at most `samples` rows, else random.Random(seed).shuffle of all rows and the first `samples`."""
-    order = list(range(len(texts)))
-    if len(order) > samples:
-        random.Random(seed).shuffle(order)
-        order = order[:samples]
-    return order
 
 
 def _ratio(num: int, den: int) -> float | None:

@@ -10,17 +10,12 @@ from typing import Callable
 
 import numpy as np
 
+from ..datasets import default_datasets_dir
 from ..errors import ConfigError
 from ..runtime.request import MAX_NEW_TOKENS_LIMIT
 
-__all__ = ["default_datasets_dir", "is_int", "as_tuple", "dedupe", "read_dataset", "check_engine_dir",
+__all__ = ["is_int", "as_tuple", "dedupe", "check_engine_dir",
            "check_datasets", "check_generation", "add_common_arguments", "write_outputs"]
-
-
-def default_datasets_dir() -> Path | None:
-    """`../shared/eval_datasets` relative to the repository root (the project's layout), if it exists."""
-    candidate = Path(__file__).resolve().parents[3].parent / "shared" / "eval_datasets"
-    return candidate if candidate.is_dir() else None
 
 
 def is_int(x) -> bool:
@@ -38,30 +33,6 @@ def as_tuple(value, name: str) -> tuple:
 
 def dedupe(items) -> tuple:
     return tuple(dict.fromkeys(items))
-
-
-def read_dataset(path: Path) -> list[str]:
-    """First turns of a {"turns": [...]} JSONL file (DeepSpec eval format).
-
-    Raises:
-        ConfigError: a line that is not such an object (file:line named), or an empty file.
-    """
-    texts = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                turns = json.loads(line)["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ConfigError(f"{path}:{n}: expected a JSON object with a 'turns' list ({e!r})") from None
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
-                raise ConfigError(f"{path}:{n}: expected 'turns' to be a list whose first item is a non-empty "
-                                  f"string, found {str(turns)[:80]!r}")
-            texts.append(turns[0])
-    if not texts:
-        raise ConfigError(f"{path}: expected at least one prompt, found an empty file")
-    return texts
 
 
 def check_engine_dir(value) -> Path:

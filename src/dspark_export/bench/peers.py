@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError, RequestError
-from .common import check_datasets, check_engine_dir, default_datasets_dir, is_int, read_dataset
+from ..datasets import default_datasets_dir, read_dataset
+from .common import check_datasets, check_engine_dir, is_int
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +369,7 @@ def markdown_table(result: dict) -> str:
 
 def write_reports(result: dict, out_dir: str | Path) -> dict[str, Path]:
     """peers.json, peers.md and peers.png (tokens/s per system) into `out_dir`."""
-    from ..report.figures import peers_figure
+    from ..figures import peers_figure
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,9 +52,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
     """
     prompts = list(args.prompt)
     if args.prompts_file is not None:
-        from ..cli import _read_prompts
+        from ..datasets import read_prompts
 
-        for prompt, err in _read_prompts(args.prompts_file):
+        for prompt, err in read_prompts(args.prompts_file):
             if err:
                 from ..errors import ConfigError
 

@@ -55,7 +55,8 @@ from ..progress import Eta
 from ..runtime.generator import Generator
 from ..runtime.policies import Policy, parse_policy
 from ..runtime.request import SamplingParams
-from .common import as_tuple, check_datasets, check_engine_dir, check_generation, dedupe, is_int, read_dataset
+from ..datasets import read_dataset
+from .common import as_tuple, check_datasets, check_engine_dir, check_generation, dedupe, is_int
 
 __all__ = ["ServeBenchConfig", "run_serve_bench", "write_reports",
            "DEFAULT_CONCURRENCY", "DEFAULT_POLICIES", "DEFAULT_DATASETS"]

@@ -13,9 +13,10 @@ import json
 import logging
 from pathlib import Path
 
-from ..errors import EngineDirError, RequestError
+from ..errors import EngineDirError, ProfileError, RequestError
 from .manifest import Manifest
-from .onnxruntime import OrtRunner, SharedSession, WeightStore, uses_shared_session
+from .ort.runner import OrtRunner, SharedSession, WeightStore, uses_shared_session
+from .sps import profile_path, read_sps
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class EngineSet:
         backend (str): "onnxruntime" (default) or "tensorrt" (engines added by `dspark-export trt build`).
         prepack (bool): ONNX Runtime: run the larger buckets of the target and the drafter block on
             one shared prepacked session per graph (about 2× faster multi-row passes on CPU, one packed
-            weight copy per graph; `engines/onnxruntime.py`). False: per-bucket sessions, no packing.
+            weight copy per graph; `engines/ort/runner.py`). False: per-bucket sessions, no packing.
     Raises:
         EngineDirError: an unknown backend, or one the directory has no engines for.
     """
@@ -83,16 +84,13 @@ class EngineSet:
 
     def _load_profile_latencies(self) -> None:  # reads self.manifest: the backend's own profile
         """Median latency per bucket from profile/sps.json, when the directory has one."""
-        rel = self.manifest.data.get("profile", {}).get("path")
-        path = self.manifest.path_of(rel, "profile.path") if rel else None
+        path = profile_path(self.manifest)
         if path is None or not path.is_file():
             return
         try:
-            sps = json.loads(path.read_text())
-            self._latency_ms = {"target": {int(r["B"]): float(r["median_ms"]) for r in sps["target"]},
-                                "drafter_block": {int(r["R"]): float(r["median_ms"]) for r in sps["drafter_block"]}}
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise EngineDirError(f"{path}: unreadable throughput profile ({e!r})") from e
+            self._latency_ms = read_sps(path).latencies_ms()
+        except ProfileError as e:
+            raise EngineDirError(str(e)) from e
 
     @classmethod
     def open(cls, engine_dir: Path, verify: bool = True, threads: int = 0, backend: str = "onnxruntime",

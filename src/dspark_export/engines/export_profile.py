@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, ProfileError
 from .manifest import Manifest
+from .sps import profile_path, read_sps
 
 __all__ = ["FORMATS", "export_profile", "sps_staircase", "VLLM_NOTE"]
 
@@ -122,11 +123,11 @@ def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
     if fmt == "vllm":
         raise ConfigError(f"--format vllm: {VLLM_NOTE}")
     manifest = Manifest.load(Path(engine_dir), verify=True)
-    rel = (manifest.data.get("profile") or {}).get("path")
-    if not rel:
+    path = profile_path(manifest)
+    if path is None:
         raise ConfigError(f"{engine_dir}: no throughput profile recorded; run `dspark-export profile --engine-dir "
                           f"{engine_dir}` first")
-    sps = json.loads(manifest.path_of(rel, "profile.path").read_text())
+    sps = read_sps(path)
     stairs = sps_staircase(sps.get("target") or [])
     cal = _calibration(manifest)
     block = int(manifest.runtime["block_size"])
@@ -174,7 +175,7 @@ def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
                              "the bucket in served_by; sps is that bucket's 1000 / median_ms",
                    "buckets": [{**{k: r.get(k) for k in ("B", "median_ms", "p10_ms", "p90_ms")},
                                 "served_by": s["served_by"], "sps": s["sps"]}
-                               for r, s in zip(sorted(sps["target"], key=lambda r: int(r["B"])), stairs)],
+                               for r, s in zip(sps.target, stairs)],
                    "drafter_block": sps.get("drafter_block", []),
                    "confidence_temperature": cal["temperatures"],
                    "confidence_bias": biases, "ece_before": cal["ece_before"],

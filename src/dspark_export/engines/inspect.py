@@ -6,7 +6,7 @@ no file the manifest does not list), then reads the graphs without their weights
 (`onnx.load(..., load_external_data=False)`), the engine keys, the runtime settings, the throughput
 profile and the tokenizer files into one JSON-able summary. With `trt_compat` it lowers every graph to
 the form the TensorRT backend builds (`engines/trt/lowering.py`: `dspark` nodes become plugin nodes, their
-ONNX function bodies go) and runs `engines.trt_ops.check_model` over the lowered graphs; those findings
+ONNX function bodies go) and runs `engines.trt.ops.check_model` over the lowered graphs; those findings
 decide the verdict. The canonical graphs' function bodies are checked too and reported as "fallback":
 they are what a parser would import without the lowering (TensorRT 10.0-10.6 always, later releases when
 our plugins are not registered). Nothing here prints; `InspectReport.format_text` renders the
@@ -15,7 +15,6 @@ human-readable tables for the CLI.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -25,9 +24,9 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from ..errors import BuildError, EngineDirError, ProfileError
-from ..runtime.scheduler import ThroughputProfile
 from .manifest import MANIFEST_NAME, Manifest
-from .trt_ops import OPSET_RANGE, TABLE_SOURCE, TABLE_TRT_VERSION, Finding, check_model, our_plugins
+from .sps import SpsFile, read_sps
+from .trt.ops import OPSET_RANGE, TABLE_SOURCE, TABLE_TRT_VERSION, Finding, check_model, our_plugins
 
 log = logging.getLogger(__name__)
 
@@ -247,32 +246,31 @@ def _profile(manifest: Manifest) -> dict | None:
     entry = manifest.data.get("profile")
     if not entry or not entry.get("path"):
         return None
-    path = manifest.path_of(entry["path"], "profile.path")
     try:
-        sps = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EngineDirError(f"{path}: profile: not readable JSON ({e})") from e
+        sps = read_sps(manifest.path_of(entry["path"], "profile.path"))
+    except ProfileError as e:
+        raise EngineDirError(str(e)) from e
     rows = [{k: row.get(k) for k in ("B", "median_ms", "p10_ms", "p90_ms", "sps")} for row in sps.get("target", [])]
     return {"path": entry["path"], "context_len": sps.get("context_len"), "warmup": sps.get("warmup"),
-            "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.get("device", {}),
-            "target": rows, "warnings": list(sps.get("warnings", [])), "attention": attention_summary(sps, path)}
+            "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.device,
+            "target": rows, "warnings": sps.warnings, "attention": attention_summary(sps)}
 
 
-def attention_summary(sps: dict, path) -> dict | None:
-    """The layout-cost fit of an sps.json object, checked as the runtime reads it: {"ms_per_row_entry",
+def attention_summary(sps: SpsFile) -> dict | None:
+    """The layout-cost fit of a read sps.json, checked as the runtime reads it: {"ms_per_row_entry",
     "ms_per_slot_entry", "max_error_pct" (None when absent), "underdetermined", "layouts": [rows that are
     objects]}; None without a fit.
 
     Raises:
-        EngineDirError: the fit (or a target row's S, Q, P under it) is malformed; names `path` and the field.
+        EngineDirError: the fit (or a target row's S, Q, P under it) is malformed; names the file and the field.
     """
-    fit = sps.get("attention") if isinstance(sps, dict) else None
+    fit = sps.get("attention")
     if not fit:
         return None
     try:
-        ThroughputProfile.from_json(sps)
+        sps.throughput()
     except ProfileError as e:
-        raise EngineDirError(f"{path}: {e}") from e
+        raise EngineDirError(str(e)) from e
     err = fit.get("max_error_pct")
     layouts = fit.get("layouts")
     return {"ms_per_row_entry": float(fit["ms_per_row_entry"]), "ms_per_slot_entry": float(fit["ms_per_slot_entry"]),
@@ -286,7 +284,7 @@ def attention_summary(sps: dict, path) -> dict | None:
 def _trt_section(models: dict, runtime: dict, trt_version: int, trt_minor: int) -> tuple[list[Finding], dict]:
     """Check the lowered graphs (what the TensorRT backend builds) and, for the record, the canonical graphs'
     function bodies (what a parser would import without the lowering and without our plugins)."""
-    from ..plugins.tensorrt_spec import MIN_TRT_VERSION
+    from ..plugins.common.tensorrt_spec import MIN_TRT_VERSION
     from .trt.lowering import lower_model
 
     plugins = our_plugins()
@@ -485,7 +483,7 @@ def _format(report: InspectReport) -> str:
 
 
 def _format_trt(report: InspectReport) -> list[str]:
-    from ..plugins.tensorrt_spec import MIN_TRT_VERSION
+    from ..plugins.common.tensorrt_spec import MIN_TRT_VERSION
 
     trt = report.trt
     lo, hi = trt["table"]["opset_range"]

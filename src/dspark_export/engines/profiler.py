@@ -18,7 +18,7 @@ P), and `measure_layout_cost` fits, by least squares over a few layouts at two c
 
 stored as sps.json's `attention` section: `ms_per_row_entry` (c_a), `ms_per_slot_entry` (c_kv), the
 layouts with their measured and fitted latencies, and the largest relative error of the fit.
-`runtime.scheduler.ThroughputProfile` prices a step's layout with it.
+`engines.sps.ThroughputProfile` prices a step's layout with it.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import onnx
 from onnx import helper
 
 from dspark_export.plugins.common import IR_VERSION
-from dspark_export.plugins.contract import TensorSpec
-from dspark_export.plugins.onnx_builder import opset_imports
+from dspark_export.plugins.common.contract import TensorSpec
+from dspark_export.plugins.common.onnx_builder import opset_imports
 from dspark_export.plugins.registry import get_op
 
 _DIM_PARAM_NAMES = {"γ": "gamma"}

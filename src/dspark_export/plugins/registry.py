@@ -1,4 +1,5 @@
-"""``OP_REGISTRY``: each ``dspark`` op's schema, numpy reference, ONNX function and Triton kernel, by op type.
+"""``OP_REGISTRY``: each ``dspark`` op's schema, numpy reference, ONNX function and Triton kernel, by op type;
+``PLUGIN_SPECS``: each op's TensorRT plugin form.
 
 A reference runner executes a whole exported graph on CPU by looking custom nodes up here
 (Polygraphy's pluginref idea); ``graph.make_op_model`` builds single-op models from it. The Triton
@@ -17,15 +18,18 @@ import numpy as np
 import onnx
 
 from dspark_export.errors import PluginError
-from dspark_export.plugins.contract import OpSchema
+from dspark_export.plugins.common.contract import OpSchema
+from dspark_export.plugins.common.tensorrt_spec import PluginSpec
+from dspark_export.plugins.common.triton_support import require_triton
 from dspark_export.plugins.markov_draft import onnx_function as markov_draft_onnx
 from dspark_export.plugins.markov_draft import reference as markov_draft_reference
 from dspark_export.plugins.markov_draft.schema import SCHEMA as MARKOV_DRAFT_SCHEMA
 from dspark_export.plugins.markov_draft.schema import MarkovDraftConfig
+from dspark_export.plugins.markov_draft.tensorrt import PLUGIN_SPEC as MARKOV_DRAFT_PLUGIN
 from dspark_export.plugins.speculative_verify import onnx_function as verify_onnx
 from dspark_export.plugins.speculative_verify import reference as verify_reference
 from dspark_export.plugins.speculative_verify.schema import SCHEMA as VERIFY_SCHEMA
-from dspark_export.plugins.triton_support import require_triton
+from dspark_export.plugins.speculative_verify.tensorrt import PLUGIN_SPEC as VERIFY_PLUGIN
 
 if TYPE_CHECKING:
     import torch
@@ -90,3 +94,14 @@ def get_op(op_type: str) -> OpEntry:
     if op_type not in OP_REGISTRY:
         raise PluginError(f"unknown dspark op {op_type!r}; available: {sorted(OP_REGISTRY)}")
     return OP_REGISTRY[op_type]
+
+
+PLUGIN_SPECS: dict[str, PluginSpec] = {"MarkovDraft": MARKOV_DRAFT_PLUGIN, "SpeculativeVerify": VERIFY_PLUGIN}
+"""Op type → its TensorRT plugin form (``plugins/<op>/tensorrt.py``)."""
+
+
+def plugin_spec(op_type: str) -> PluginSpec:
+    """The plugin spec of ``op_type``; raises PluginError for an op with no TensorRT plugin."""
+    if op_type not in PLUGIN_SPECS:
+        raise PluginError(f"no TensorRT plugin for op {op_type!r}; plugins exist for {sorted(PLUGIN_SPECS)}")
+    return PLUGIN_SPECS[op_type]

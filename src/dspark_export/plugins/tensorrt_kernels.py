@@ -5,8 +5,8 @@ arguments), and TensorRT launches the kernel with its arguments in this order: t
 pointers, then the extra scalar arguments (int32 symbolic expressions), then the output pointers
 (NVIDIA's quickly-deployable-plugins sample, ``circ_pad_plugin_aot_impl``: signature ``*fp32, i32 x 13,
 *fp32``; the ``tensorrt.plugin.aot_impl`` reference). The kernels of ``plugins/<op>/triton_kernel.py``
-take outputs before scalars, so each op gets a thin ``@triton.jit`` wrapper here that takes TensorRT's
-order and calls the kernel (Triton inlines it: the same code, one entry point).
+take outputs before scalars, so each op has a thin ``@triton.jit`` wrapper there (``<op>_trt_kernel``) that
+takes TensorRT's order and calls the kernel (Triton inlines it: the same code, one entry point).
 
 Triton 3.3+ appends two pointer parameters to every compiled kernel (global and profile scratch), which
 the Triton launcher fills and TensorRT knows nothing of. ``compile_aot`` therefore compiles the wrapper,
@@ -30,15 +30,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import triton
-import triton.language as tl
 
 from dspark_export.errors import PluginError
+from dspark_export.plugins.common.triton_support import next_power_of_2
+from dspark_export.plugins.markov_draft import tensorrt as markov_draft_trt
 from dspark_export.plugins.markov_draft.schema import SCHEMA as MARKOV_DRAFT_SCHEMA
-from dspark_export.plugins.markov_draft.triton_kernel import markov_draft_kernel
+from dspark_export.plugins.markov_draft.triton_kernel import markov_draft_trt_kernel
+from dspark_export.plugins.registry import PLUGIN_SPECS
+from dspark_export.plugins.speculative_verify import tensorrt as verify_trt
 from dspark_export.plugins.speculative_verify.schema import SCHEMA as VERIFY_SCHEMA
-from dspark_export.plugins.speculative_verify.triton_kernel import speculative_verify_kernel
-from dspark_export.plugins.tensorrt_spec import PLUGIN_SPECS
-from dspark_export.plugins.triton_support import next_power_of_2
+from dspark_export.plugins.speculative_verify.triton_kernel import speculative_verify_trt_kernel
 
 __all__ = ["AotKernel", "SCALARS", "GRID_SOURCE", "compile_aot", "assemble", "entry_params", "launch_plan",
            "launch_trt_order", "markov_draft_trt_kernel", "speculative_verify_trt_kernel", "MAX_BLOCK_H"]
@@ -47,48 +48,11 @@ MAX_BLOCK_H = 256
 """Hidden-size block of MarkovDraft's confidence dot product (the kernel loops over H in such blocks)."""
 
 #: per op, the int32 scalar arguments TensorRT passes between inputs and outputs, and where each comes from:
-#: (input name, axis) of a plugin input's shape, or ("const", value)
-SCALARS: dict[str, tuple[tuple[str, tuple[str, int]], ...]] = {
-    "MarkovDraft": (("GAMMA", ("base_logits", 1)), ("V", ("base_logits", 2)), ("H", ("hidden", 2)),
-                    ("RANK", ("markov_w1", 1))),
-    "SpeculativeVerify": (("GAMMA", ("draft_ids", 1)), ("V", ("target_logits", 1))),
-}
+#: (input name, axis) of a plugin input's shape (``plugins/<op>/tensorrt.py``)
+SCALARS: dict[str, tuple[tuple[str, tuple[str, int]], ...]] = {"MarkovDraft": markov_draft_trt.SCALARS,
+                                                               "SpeculativeVerify": verify_trt.SCALARS}
 #: per op, the plugin input whose axis 0 is the request count R (one program per request)
-GRID_SOURCE = {"MarkovDraft": ("base_logits", 0), "SpeculativeVerify": ("verify_lens", 0)}
-
-
-@triton.jit
-def markov_draft_trt_kernel(
-    base_logits_ptr, hidden_ptr, anchor_ids_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
-    confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr,
-    GAMMA, V, H, RANK,
-    draft_ids_ptr, draft_logits_ptr, confidence_ptr,
-    HAS_MARKOV: tl.constexpr, HAS_CONFIDENCE: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NUM_PROBES: tl.constexpr,
-):
-    """``markov_draft_kernel`` with TensorRT's argument order (inputs, scalars, outputs); grid (R,)."""
-    markov_draft_kernel(
-        base_logits_ptr, hidden_ptr, anchor_ids_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
-        confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr,
-        draft_ids_ptr, draft_logits_ptr, confidence_ptr, GAMMA, V, H, RANK,
-        HAS_MARKOV, HAS_CONFIDENCE, BLOCK_V, BLOCK_H, BLOCK_R, NUM_PROBES,
-    )
-
-
-@triton.jit
-def speculative_verify_trt_kernel(
-    target_logits_ptr, query_start_ptr, draft_ids_ptr, draft_logits_ptr, verify_lens_ptr,
-    temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
-    GAMMA, V,
-    num_accepted_ptr, next_ids_ptr,
-    BLOCK_V: tl.constexpr, NUM_PROBES: tl.constexpr,
-):
-    """``speculative_verify_kernel`` with TensorRT's argument order (inputs, scalars, outputs); grid (R,)."""
-    speculative_verify_kernel(
-        target_logits_ptr, query_start_ptr, draft_ids_ptr, draft_logits_ptr, verify_lens_ptr,
-        temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr, num_accepted_ptr, next_ids_ptr, GAMMA, V,
-        BLOCK_V, NUM_PROBES,
-    )
+GRID_SOURCE = {"MarkovDraft": markov_draft_trt.GRID_SOURCE, "SpeculativeVerify": verify_trt.GRID_SOURCE}
 
 
 _WRAPPERS = {"MarkovDraft": markov_draft_trt_kernel, "SpeculativeVerify": speculative_verify_trt_kernel}
@@ -197,7 +161,7 @@ def compile_aot(op: str, fields: Mapping[str, int], static_dims: Mapping[str, in
 
     Args:
         op: "MarkovDraft" or "SpeculativeVerify".
-        fields: the plugin fields (``tensorrt_spec.PLUGIN_SPECS[op]``), e.g. {"block_v": 1024, ...}.
+        fields: the plugin fields (``registry.PLUGIN_SPECS[op]``), e.g. {"block_v": 1024, ...}.
         static_dims: scalar values known at build time: "RANK" (required with Markov weights), "H" (sizes
             the hidden block; without it the widest block is used, correct for any H).
         capability: CUDA compute capability × 10 of the target GPU.
@@ -249,7 +213,7 @@ def launch_plan(op: str, shapes: Mapping[str, tuple[int, ...]]) -> dict:
     """What a plugin launch computes from concrete input shapes: grid, scalar values, output shapes.
 
     The same sources ``aot_impl`` turns into symbolic expressions (``SCALARS``, ``GRID_SOURCE``, the
-    output rules of ``tensorrt_spec``), evaluated on numbers.
+    output rules of ``registry.PLUGIN_SPECS``), evaluated on numbers.
 
     Args:
         op: "MarkovDraft" or "SpeculativeVerify".

@@ -3,7 +3,7 @@
 Each op is a quickly-deployable Python plugin with three definitions (TensorRT's ``tensorrt.plugin``
 module: ``register``, ``aot_impl``, ``impl``):
 
-- ``register``: the output shapes and types, from ``tensorrt_spec.PLUGIN_SPECS`` (the same rules the
+- ``register``: the output shapes and types, from ``registry.PLUGIN_SPECS`` (the same rules the
   lowering writes into the ONNX graph, tested equal to the ONNX schema and to ONNX shape inference);
   attributes = the plugin fields (``has_markov``, ``has_confidence``, ``block_v``, ``num_probes``), each
   annotated ``numpy.typing.NDArray[np.int32]``: the ONNX parser passes an INT attribute as a one-element
@@ -48,7 +48,8 @@ import numpy as np
 import numpy.typing as npt
 
 from dspark_export.errors import BuildError, PluginError
-from dspark_export.plugins.tensorrt_spec import PLUGIN_SPECS, PluginSpec
+from dspark_export.plugins.common.tensorrt_spec import PluginSpec
+from dspark_export.plugins.registry import PLUGIN_SPECS
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ def register_plugins(capability: int | None = None) -> tuple[str, ...]:
     Raises:
         BuildError: TensorRT does not import here, or is older than 10.9 (no ``tensorrt.plugin.aot_impl``).
     """
-    from dspark_export.engines.trt import require_tensorrt
+    from dspark_export.plugins.common.tensorrt_support import require_tensorrt
 
     require_tensorrt("registering the dspark TensorRT plugins")
     import tensorrt as trt

@@ -24,10 +24,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .. import __version__
 from ..engines.manifest import MANIFEST_NAME, Manifest
-from ..errors import ConfigError, EngineDirError
-from . import figures
+from ..engines.sps import SpsFile, ThroughputProfile, profile_path, read_sps
+from ..errors import ConfigError, EngineDirError, ProfileError
+from .. import figures
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +87,14 @@ def load_json_input(path: str | Path, what: str, required: tuple[str, ...]) -> d
 
 def _profile(manifest: Manifest) -> dict | None:
     rel = (manifest.data.get("profile") or {}).get("path")
-    if not rel:
+    path = profile_path(manifest)
+    if path is None:
         return None
-    path = manifest.path_of(rel, "profile.path")
     try:
-        sps = json.loads(path.read_text())
-        target = sorted(sps["target"], key=lambda r: int(r["B"]))
-        drafter = sorted(sps.get("drafter_block", []), key=lambda r: int(r["R"]))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise EngineDirError(f"{path}: profile: expected sps.json with 'target' rows ({e!r})") from None
+        sps = read_sps(path)
+        target, drafter = sps.target, sps.drafter_block
+    except ProfileError as e:
+        raise EngineDirError(str(e)) from None
     buckets = [int(r["B"]) for r in target]
     latency = {int(r["B"]): float(r["median_ms"]) for r in target}
     rows = []
@@ -102,17 +104,17 @@ def _profile(manifest: Manifest) -> dict | None:
         rows.append({"B": int(r["B"]), "median_ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
                      "sps": r["sps"], "served_by": served, "effective_sps": round(1000.0 / latency[served], 3)})
     return {"path": rel, "context_len": sps.get("context_len"), "warmup": sps.get("warmup"),
-            "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.get("device", {}),
-            "target": rows, "drafter_block": drafter, "attention": _attention(sps, path),
-            "warnings": list(sps.get("warnings", []))}
+            "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.device,
+            "target": rows, "drafter_block": drafter, "attention": _attention(sps),
+            "warnings": sps.warnings}
 
 
-def _attention(sps: dict, path) -> dict | None:
+def _attention(sps: SpsFile) -> dict | None:
     """The layout-cost fit for the report (checked as the runtime reads it), its layout rows reduced to the
     fields the table shows (None where one is missing)."""
     from ..engines.inspect import attention_summary
 
-    fit = attention_summary(sps, path)
+    fit = attention_summary(sps)
     if fit is not None:
         keys = ("S", "Q", "P", "rows", "N", "median_ms", "fit_ms")
         fit["layouts"] = [{k: (r.get(k) if isinstance(r.get(k), (int, float)) else None) for k in keys}
@@ -225,6 +227,13 @@ def collect(manifest: Manifest, inputs: ReportInputs | None = None) -> dict:
 
 # -- rendering ------------------------------------------------------------------------------------------
 
+def _sps_figure(target_rows: list[dict]) -> bytes:
+    """`figures.sps_figure` of the profile's target rows, the staircase as the scheduler reads it."""
+    prof = ThroughputProfile.from_json({"target": target_rows})
+    every = np.arange(1, prof.max_tokens + 1)
+    return figures.sps_figure(prof.buckets, prof.steps_per_s, every, prof.sps(every))
+
+
 def _figures(data: dict) -> list[dict]:
     """[{"name", "file", "title", "caption", "png"}] in page order; absent data gives no figure."""
     out = []
@@ -246,7 +255,7 @@ def _figures(data: dict) -> list[dict]:
             figures.latency_figure, p["target"], p.get("context_len"))
         add("sps", "SPS(B) staircase",
             "Steps per second of each bucket (points) and SPS(B) for every B as the scheduler reads it: the "
-            "fastest engine whose bucket holds B tokens.", figures.sps_figure, p["target"])
+            "fastest engine whose bucket holds B tokens.", _sps_figure, p["target"])
     if p and p["drafter_block"]:
         add("drafter", "Drafter latency vs request count",
             "Median latency of the drafter block engine per request bucket R (bars: p10 to p90).",

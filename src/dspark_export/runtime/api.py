@@ -44,7 +44,7 @@ class Runtime:
         """Load and check an engine directory, activate all its engines, load its tokenizer.
 
         `prepack=False` trades the shared prepacked sessions (about 2× faster multi-row passes on CPU, one
-        packed weight copy per graph) for less memory (`engines/onnxruntime.py`).
+        packed weight copy per graph) for less memory (`engines/ort/runner.py`).
 
         Raises:
             EngineDirError: missing/altered files, bad manifest, unreadable graphs or tokenizer.

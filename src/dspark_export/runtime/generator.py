@@ -21,7 +21,6 @@ runs in an engine.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -33,11 +32,12 @@ import numpy as np
 
 from ..engines.engine_set import EngineSet
 from ..engines.packing import PackedBatch, Segment, pack_segments
+from ..engines.sps import ThroughputProfile, profile_path, read_sps
 from ..errors import EngineDirError, EngineRunError, ProfileError, RequestError
 from .kv_cache import KVCache
 from .policies import Policy
 from .request import GREEDY_BELOW, GenerationResult, SamplingParams
-from .scheduler import ThroughputProfile, mean_survival_capacity, survival_probs
+from .scheduler import mean_survival_capacity, survival_probs
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +54,13 @@ _FLOOR_CAP = 10**6     # the most skipped steps `_probe_floor` asks for
 def _load_profile(engines: EngineSet) -> ThroughputProfile:
     """The engine directory's SPS(B) table (profile/sps.json), for the dspark policies."""
     manifest = engines.manifest
-    rel = manifest.data.get("profile", {}).get("path")
-    if not rel:
+    path = profile_path(manifest)
+    if path is None:
         raise EngineDirError(f"{manifest.root}: manifest has no profile; run `dspark-export profile`")
     try:
-        return ThroughputProfile.from_json(json.loads(manifest.path_of(rel, "profile.path").read_text()))
+        return read_sps(path).throughput()
     except ProfileError as e:
-        raise EngineDirError(f"{manifest.root / rel}: {e}") from e
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise EngineDirError(f"{manifest.root / rel}: unreadable throughput profile ({e})") from e
+        raise EngineDirError(str(e)) from e
 
 
 @dataclass
@@ -118,7 +116,7 @@ class Generator:
             its tokenizer's decode). Requests with stop strings are refused without it.
         drafter (Callable): replaces the DSpark drafter block: drafter(generator, active states) →
             {"draft_ids" [S, γ] int64, "draft_logits" [S, γ] × V float32, "confidence" [S, γ] float32}
-            (e.g. `runtime.self_draft.TargetDrafter`, the target drafting for itself). The DSpark
+            (e.g. `tests/runtime/self_draft.py`, the target drafting for itself). The DSpark
             drafter context (`draft_kv`) is not for such a drafter: its valid length may lag the target's
             (rows wait in each request's backlog until a DSpark draft flushes them).
 

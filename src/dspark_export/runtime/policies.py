@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..engines.sps import ThroughputProfile
 from ..errors import ConfigError, RequestError
-from .scheduler import ThroughputProfile, dspark_async_lengths, dspark_lengths
+from .scheduler import dspark_async_lengths, dspark_lengths
 
-__all__ = ["Policy", "parse_policy", "ThroughputProfile", "ar_lengths", "fixed_lengths", "threshold_lengths",
+__all__ = ["Policy", "parse_policy", "ar_lengths", "fixed_lengths", "threshold_lengths",
            "dspark_lengths", "dspark_async_lengths"]
 
 _FORMS = "'ar', 'fixed:K' (integer K >= 1), 'threshold:C' (0 < C <= 1), 'dspark' or 'dspark-async'"

@@ -213,8 +213,8 @@ def reliability_bins(rounds: Rounds, temperatures, bins: int = 20, biases=None) 
 
 def reliability_diagram(rounds: Rounds, temperatures, path: str | Path, bins: int = 20, biases=None) -> Path:
     """PNG: per position, observed survival vs predicted survival, before (T=1) and after STS
-    (`reliability_bins` drawn by `report.figures.reliability_figure`)."""
-    from ..report.figures import reliability_figure
+    (`reliability_bins` drawn by `figures.reliability_figure`)."""
+    from ..figures import reliability_figure
 
     path = Path(path)
     path.write_bytes(reliability_figure(reliability_bins(rounds, temperatures, bins, biases)))

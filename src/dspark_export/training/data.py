@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..bench.common import read_dataset
+from ..datasets import read_dataset
 from ..errors import ConfigError
 from ..progress import Eta
 from .split import split_rows

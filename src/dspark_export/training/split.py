@@ -1,7 +1,7 @@
 """The committed, seeded split of the evaluation prompt files into drafter training, calibration and
 evaluation rows.
 
-The acceptance benchmark (`dspark_export.bench.acceptance`) runs the first `samples` rows of
+The acceptance benchmark (`dspark_export.bench.acceptance`, rows from `datasets.select_rows`) runs the first `samples` rows of
 `random.Random(980406).shuffle(rows)` of each dataset. This split reserves the first
 `EVAL_ROWS_PER_DATASET` of that same shuffle as evaluation rows, so a benchmark with
 `--samples <= EVAL_ROWS_PER_DATASET` never sees a prompt the drafter was trained or calibrated on.
@@ -25,8 +25,7 @@ import json
 import random
 from pathlib import Path
 
-from ..bench.acceptance import DEFAULT_DATASETS, DEFAULT_SEED, select_rows
-from ..bench.common import read_dataset
+from ..datasets import DEFAULT_DATASETS, DEFAULT_SEED, read_dataset, select_rows
 from ..errors import ConfigError
 
 __all__ = ["make_split", "load_split", "split_rows", "SPLIT_PATH", "EVAL_ONLY", "EVAL_ROWS_PER_DATASET",

@@ -38,6 +38,7 @@ import onnx
 
 from ...errors import BuildError, ProfileError
 from ..manifest import EngineKey, Manifest, write_json_atomic
+from ..sps import write_sps
 from . import require_tensorrt
 from .lowering import LOWERED_SUFFIX, lower_model
 from .profiles import ShapeProfile, profile_for
@@ -195,7 +196,7 @@ def build_trt_engines(cfg: TrtBuildConfig, progress: Progress | None = None) -> 
         sps = measure_profile(engines, cfg.context_len, repeats=cfg.repeats, progress=say)
         del engines
         (root / TRT_PROFILE).parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(root / TRT_PROFILE, sps)
+        write_sps(root / TRT_PROFILE, sps)
         written.append(TRT_PROFILE)
         manifest.data["backends"]["tensorrt"]["profile"] = {"path": TRT_PROFILE, "context_len": cfg.context_len,
                                                             "warnings": sps["warnings"]}

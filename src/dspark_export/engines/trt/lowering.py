@@ -5,7 +5,7 @@ plus its ONNX function body, so ONNX Runtime runs them unaided. TensorRT must in
 plugin (``plugins/tensorrt_plugins.py``; the function bodies hold a full-vocabulary TopK and an int64
 CumSum that TensorRT 10 does not import). The lowering, per ``dspark`` node:
 
-- keeps op type and domain (= plugin name and namespace, ``plugins/tensorrt_spec.py``) and the node name;
+- keeps op type and domain (= plugin name and namespace, ``plugins/common/tensorrt_spec.py``) and the node name;
 - feeds every schema input in order, an absent optional input (MarkovDraft without Markov or confidence
   weights) as a one-element zero placeholder initializer, because the parser hands an empty input to
   the plugin as a null tensor;
@@ -45,7 +45,8 @@ from onnx import helper, numpy_helper
 
 from ...errors import BuildError, PluginError
 from ...plugins.common import DOMAIN
-from ...plugins.tensorrt_spec import PLUGIN_NAMESPACE, PLUGIN_SPECS, PLUGIN_VERSION, PluginSpec
+from ...plugins.common.tensorrt_spec import PLUGIN_NAMESPACE, PLUGIN_VERSION, PluginSpec
+from ...plugins.registry import PLUGIN_SPECS
 
 log = logging.getLogger(__name__)
 

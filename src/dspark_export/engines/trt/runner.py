@@ -1,4 +1,4 @@
-"""TensorRT engine runner with the ONNX Runtime runner's interface (``engines/onnxruntime.py: OrtRunner``).
+"""TensorRT engine runner with the ONNX Runtime runner's interface (``engines/ort/runner.py: OrtRunner``).
 
 One plan file per graph holds one optimization profile per bucket (``builder.py``), so the weights are
 in memory once per graph, as ONNX Runtime's ``WeightStore`` keeps them once; each bucket's runner is an

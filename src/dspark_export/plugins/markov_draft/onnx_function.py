@@ -26,8 +26,8 @@ from onnx import TensorProto, helper
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
 from dspark_export.plugins.markov_draft.schema import SCHEMA, MarkovDraftConfig
-from dspark_export.plugins.onnx_builder import NodeBuilder, make_function as _make_function, make_if
-from dspark_export.plugins.onnx_sampling import emit_argmax, emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
+from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function, make_if
+from dspark_export.plugins.common.onnx_sampling import emit_argmax, emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 
 I64 = np.int64
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dspark_export.errors import PluginError
-from dspark_export.plugins.common import SamplingParams, check_sampling_values, sample_from_probs, warp_probs
+from dspark_export.plugins.common.sampling import SamplingBatch, check_sampling_values, sample_from_probs, warp_probs
 from dspark_export.plugins.markov_draft.schema import SCHEMA
 
 
@@ -48,7 +48,7 @@ def markov_draft(
     base_logits: np.ndarray,
     hidden: np.ndarray,
     anchor_ids: np.ndarray,
-    sampling: SamplingParams,
+    sampling: SamplingBatch,
     uniforms: np.ndarray,
     confidence_temperature: np.ndarray,
     weights: MarkovDraftWeights = MarkovDraftWeights(),
@@ -59,7 +59,7 @@ def markov_draft(
         base_logits: [R, γ, V] float32, drafter LM-head logits U_k.
         hidden: [R, γ, H] float32, post-final-norm drafter hidden h_k.
         anchor_ids: [R] int64, last committed token x_{-1}.
-        sampling: temperature/top_k/top_p, each [R] (see ``SamplingParams``).
+        sampling: temperature/top_k/top_p, each [R] (see ``SamplingBatch``).
         uniforms: [R, γ] float32 in [0, 1), one per slot.
         confidence_temperature: [γ] float32, STS temperature per slot.
         weights: the optional Markov and confidence weights.
@@ -71,7 +71,7 @@ def markov_draft(
         PluginError: an input breaks the schema (shape, dtype, value range, a half-given weight pair).
     """
     feeds = _feeds(base_logits, hidden, anchor_ids, sampling, uniforms, confidence_temperature, weights)
-    _check(feeds, sampling, uniforms)
+    check_arguments(feeds, sampling, uniforms)
     w1, w2 = weights.markov_w1, weights.markov_w2
     has_markov = w1 is not None
     ids, logits, prev = [], [], anchor_ids
@@ -93,8 +93,8 @@ def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     Returns:
         {"draft_ids": [R, γ] int64, "draft_logits": [R, γ, V] float32, "confidence": [R, γ] float32}.
     """
-    SCHEMA.check_inputs(feeds, _preset_dims(feeds))
-    sampling = SamplingParams(feeds["temperature"], feeds["top_k"], feeds["top_p"])
+    SCHEMA.check_inputs(feeds, preset_dims(feeds))
+    sampling = SamplingBatch(feeds["temperature"], feeds["top_k"], feeds["top_p"])
     weights = MarkovDraftWeights(*(feeds.get(name) for name in SCHEMA.optional_input_names))
     outputs = markov_draft(
         feeds["base_logits"], feeds["hidden"], feeds["anchor_ids"], sampling, feeds["uniforms"],
@@ -124,16 +124,18 @@ def _feeds(base_logits, hidden, anchor_ids, sampling, uniforms, confidence_tempe
     return named
 
 
-def _preset_dims(feeds: Mapping[str, np.ndarray | None]) -> dict[str, int]:
+def preset_dims(feeds: Mapping[str, np.ndarray | None]) -> dict[str, int]:
     """Without Markov weights the confidence input is h_k alone: r = 0."""
     return {} if feeds.get("markov_w1") is not None else {"r": 0}
 
 
-def _check(feeds: dict, sampling: SamplingParams, uniforms: np.ndarray) -> None:
+def check_arguments(feeds: dict, sampling: SamplingBatch, uniforms: np.ndarray) -> None:
+    """Raise PluginError unless the feeds meet the schema, the optional weights come in pairs, the sampling
+    values and uniforms are in range and the anchor ids are inside the vocabulary (shared with the Triton path)."""
     for pair in (("markov_w1", "markov_w2"), ("confidence_weight", "confidence_bias")):
         if (feeds[pair[0]] is None) != (feeds[pair[1]] is None):
             raise PluginError(f"{SCHEMA.qualified_name}: give both or neither of {pair}, found only one")
-    dims = SCHEMA.check_inputs(feeds, _preset_dims(feeds))
+    dims = SCHEMA.check_inputs(feeds, preset_dims(feeds))
     check_sampling_values(SCHEMA.qualified_name, sampling, uniforms)
     anchors = feeds["anchor_ids"]
     if np.any((anchors < 0) | (anchors >= dims["V"])):

@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_export.plugins.common import SamplingParams
-from dspark_export.plugins.markov_draft.reference import _check, _preset_dims  # the reference's own checks
+from dspark_export.plugins.common.sampling import SamplingBatch
+from dspark_export.plugins.markov_draft.reference import check_arguments, preset_dims  # the reference's own checks
 from dspark_export.plugins.markov_draft.schema import SCHEMA
-from dspark_export.plugins.triton_sampling import sample_row, warp_stats
-from dspark_export.plugins.triton_support import (
+from dspark_export.plugins.common.triton_sampling import sample_row, warp_stats
+from dspark_export.plugins.common.triton_support import (
     check_blocks, check_same_device, compile_ptx, host_values, next_power_of_2, shape_proxies,
 )
 
@@ -156,7 +156,7 @@ def markov_draft_triton(
         feeds.update(host_values(tensors, _VALUE_INPUTS))
     # The reference's own checks (optional pairs, schema, values). Without check_values the value
     # inputs are the zero stand-ins, which pass, so only shapes, dtypes and pairs are checked.
-    _check(feeds, SamplingParams(feeds["temperature"], feeds["top_k"], feeds["top_p"]), feeds["uniforms"])
+    check_arguments(feeds, SamplingBatch(feeds["temperature"], feeds["top_k"], feeds["top_p"]), feeds["uniforms"])
     num_requests, gamma, vocab = base_logits.shape
     hidden_size = hidden.shape[-1]
     has_markov, has_confidence = markov_w1 is not None, confidence_weight is not None
@@ -188,7 +188,7 @@ def run(feeds: Mapping[str, torch.Tensor], **options) -> dict[str, torch.Tensor]
         {"draft_ids": [R, γ] int64, "draft_logits": [R, γ, V] float32, "confidence": [R, γ] float32}.
     """
     # Unknown names and missing inputs raise the schema's PluginError, not a TypeError.
-    SCHEMA.check_inputs(shape_proxies(SCHEMA.qualified_name, feeds), _preset_dims(feeds))
+    SCHEMA.check_inputs(shape_proxies(SCHEMA.qualified_name, feeds), preset_dims(feeds))
     return markov_draft_triton(**feeds, **options)._asdict()
 
 
@@ -211,3 +211,20 @@ def ptx(
     signature.update({name: "constexpr" for name in constexprs})
     return compile_ptx(markov_draft_kernel, signature, constexprs, capability)
 
+
+@triton.jit
+def markov_draft_trt_kernel(
+    base_logits_ptr, hidden_ptr, anchor_ids_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
+    confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr,
+    GAMMA, V, H, RANK,
+    draft_ids_ptr, draft_logits_ptr, confidence_ptr,
+    HAS_MARKOV: tl.constexpr, HAS_CONFIDENCE: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NUM_PROBES: tl.constexpr,
+):
+    """``markov_draft_kernel`` with TensorRT's argument order (inputs, scalars, outputs); grid (R,)."""
+    markov_draft_kernel(
+        base_logits_ptr, hidden_ptr, anchor_ids_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
+        confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr,
+        draft_ids_ptr, draft_logits_ptr, confidence_ptr, GAMMA, V, H, RANK,
+        HAS_MARKOV, HAS_CONFIDENCE, BLOCK_V, BLOCK_H, BLOCK_R, NUM_PROBES,
+    )

@@ -24,8 +24,8 @@ from onnx import TensorProto, helper
 
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
-from dspark_export.plugins.onnx_builder import NodeBuilder, make_function as _make_function
-from dspark_export.plugins.onnx_sampling import emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
+from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function
+from dspark_export.plugins.common.onnx_sampling import emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 from dspark_export.plugins.speculative_verify.schema import SCHEMA
 
 F32, I64 = np.float32, np.int64

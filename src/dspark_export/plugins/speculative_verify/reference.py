@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dspark_export.errors import PluginError
-from dspark_export.plugins.common import SamplingParams, check_sampling_values, sample_from_probs, warp_probs
+from dspark_export.plugins.common.sampling import SamplingBatch, check_sampling_values, sample_from_probs, warp_probs
 from dspark_export.plugins.speculative_verify.schema import SCHEMA
 
 
@@ -33,7 +33,7 @@ def speculative_verify(
     draft_ids: np.ndarray,
     draft_logits: np.ndarray,
     verify_lens: np.ndarray,
-    sampling: SamplingParams,
+    sampling: SamplingBatch,
     uniforms: np.ndarray,
 ) -> VerifyOutputs:
     """Accept the leading drafts the target agrees with, then emit one recovered or bonus token.
@@ -53,7 +53,7 @@ def speculative_verify(
     Raises:
         PluginError: an input breaks the schema (shapes, dtypes, query_start vs verify_lens, value ranges).
     """
-    _check(target_logits, query_start, draft_ids, draft_logits, verify_lens, sampling, uniforms)
+    check_arguments(target_logits, query_start, draft_ids, draft_logits, verify_lens, sampling, uniforms)
     num_requests, gamma = draft_ids.shape
     starts = query_start[:-1]
     # Rows past a request's verify width repeat its last row; they are never used.
@@ -80,7 +80,7 @@ def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         {"num_accepted": [R] int64, "next_ids": [R] int64}.
     """
     SCHEMA.check_inputs(feeds)
-    sampling = SamplingParams(feeds["temperature"], feeds["top_k"], feeds["top_p"])
+    sampling = SamplingBatch(feeds["temperature"], feeds["top_k"], feeds["top_p"])
     outputs = speculative_verify(
         feeds["target_logits"], feeds["query_start"], feeds["draft_ids"], feeds["draft_logits"],
         feeds["verify_lens"], sampling, feeds["uniforms"],
@@ -104,7 +104,7 @@ def _next_token_probs(target_probs: np.ndarray, draft_probs: np.ndarray, is_reje
     return np.where(use_residual[:, None], residual, target_probs)
 
 
-def _check(target_logits, query_start, draft_ids, draft_logits, verify_lens, sampling, uniforms) -> None:
+def check_arguments(target_logits, query_start, draft_ids, draft_logits, verify_lens, sampling, uniforms) -> None:
     """Schema shapes and dtypes, then value ranges and the query_start / verify_lens agreement."""
     feeds = dict(target_logits=target_logits, query_start=query_start, draft_ids=draft_ids, draft_logits=draft_logits,
                  verify_lens=verify_lens, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,

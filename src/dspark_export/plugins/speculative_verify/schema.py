@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_export.plugins.common import DOMAIN, OPSET_VERSION
-from dspark_export.plugins.contract import OpSchema, TensorSpec
+from dspark_export.plugins.common.contract import OpSchema, TensorSpec
 
 F32, I64 = np.float32, np.int64
 

@@ -31,11 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_export.plugins.common import SamplingParams
-from dspark_export.plugins.speculative_verify.reference import _check  # the reference's own checks
+from dspark_export.plugins.common.sampling import SamplingBatch
+from dspark_export.plugins.speculative_verify.reference import check_arguments  # the reference's own checks
 from dspark_export.plugins.speculative_verify.schema import SCHEMA
-from dspark_export.plugins.triton_sampling import no_stats, probs_at, residual_is_positive, sample_row, warp_stats
-from dspark_export.plugins.triton_support import (
+from dspark_export.plugins.common.triton_sampling import no_stats, probs_at, residual_is_positive, sample_row, warp_stats
+from dspark_export.plugins.common.triton_support import (
     check_blocks, check_same_device, compile_ptx, host_values, shape_proxies,
 )
 
@@ -144,7 +144,7 @@ def speculative_verify_triton(
     check_same_device(name, tensors)
     if check_values:
         feeds.update(host_values(tensors, _VALUE_INPUTS))
-        _check(**_check_arguments(feeds))  # the reference's own checks: schema, then values
+        check_arguments(**_reference_arguments(feeds))  # the reference's own checks: schema, then values
     else:
         SCHEMA.check_inputs(feeds)
     num_requests, gamma = draft_ids.shape
@@ -183,8 +183,24 @@ def ptx(block_v: int = DEFAULT_BLOCK_V, num_probes: int = DEFAULT_NUM_PROBES, ca
     return compile_ptx(speculative_verify_kernel, signature, {"BLOCK_V": block_v, "NUM_PROBES": num_probes}, capability)
 
 
-def _check_arguments(feeds: dict) -> dict:
+def _reference_arguments(feeds: dict) -> dict:
     """The reference check's arguments from a feed keyed by input name."""
-    sampling = SamplingParams(feeds["temperature"], feeds["top_k"], feeds["top_p"])
+    sampling = SamplingBatch(feeds["temperature"], feeds["top_k"], feeds["top_p"])
     names = ("target_logits", "query_start", "draft_ids", "draft_logits", "verify_lens")
     return dict({name: feeds[name] for name in names}, sampling=sampling, uniforms=feeds["uniforms"])
+
+
+@triton.jit
+def speculative_verify_trt_kernel(
+    target_logits_ptr, query_start_ptr, draft_ids_ptr, draft_logits_ptr, verify_lens_ptr,
+    temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
+    GAMMA, V,
+    num_accepted_ptr, next_ids_ptr,
+    BLOCK_V: tl.constexpr, NUM_PROBES: tl.constexpr,
+):
+    """``speculative_verify_kernel`` with TensorRT's argument order (inputs, scalars, outputs); grid (R,)."""
+    speculative_verify_kernel(
+        target_logits_ptr, query_start_ptr, draft_ids_ptr, draft_logits_ptr, verify_lens_ptr,
+        temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr, num_accepted_ptr, next_ids_ptr, GAMMA, V,
+        BLOCK_V, NUM_PROBES,
+    )

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engines.packing import Segment, pack_segments
-from ..plugins.common import sample_from_probs, warp_probs
-from .request import GREEDY_BELOW
+from dspark_export.engines.packing import Segment, pack_segments
+from dspark_export.plugins.common.sampling import sample_from_probs, warp_probs
+from dspark_export.runtime.request import GREEDY_BELOW
 
 __all__ = ["TargetDrafter"]
 
@@ -32,7 +32,7 @@ class TargetDrafter:
     rows (failure_cases.md SD-17). Nothing here changes a valid length.
 
     x_j is drawn from warp(logits_j) with the request's own temperature / top-k / top-p and a uniform
-    from the request's random stream (`plugins.common`, the same warping the verifier applies), and
+    from the request's random stream (`plugins.common.sampling`, the same warping the verifier applies), and
     draft_logits_j = logits_j, so the q the verifier uses is exactly the distribution x_j was drawn
     from (failure_cases.md SD-08, SD-09). Greedy: x_j = argmax logits_j. Confidence is 1 (0 for a
     position the request's capacity does not reach).

@@ -1,4 +1,4 @@
-"""Shared constants of the ``dspark`` ops and the numpy warping and sampling both ops use.
+"""The numpy warping and sampling both ``dspark`` ops use, and the per-batch sampling arrays they take.
 
 Warping (docs/ARCHITECTURE.md, "The two ops"), identical for draft and target distributions:
 temperature 0 → greedy (a one-hot at the argmax, first index on ties). Otherwise l/T → top-k (keep
@@ -20,19 +20,11 @@ import numpy as np
 
 from dspark_export.errors import PluginError
 
-DOMAIN = "dspark"
-"""ONNX domain of the custom ops."""
-OPSET_VERSION = 1
-"""Version of the ``dspark`` opset (every op is at version 1)."""
-ONNX_OPSET = 21
-"""Default-domain opset of the function bodies and of the models ``graph.py`` builds."""
-IR_VERSION = 10
-"""IR version of the models ``graph.py`` builds (opset 21; IR 10 is the first with function overloads)."""
-
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling parameters, as the ops take them.
+class SamplingBatch:
+    """The sampling parameters of a batch of R requests, as the ops take them: one value per request.
+    (A single request's settings are ``runtime.request.SamplingParams``; the runtime stacks them into this.)
 
     Attributes:
         temperature: [R] float32, 0 = greedy.
@@ -52,7 +44,7 @@ class SamplingParams:
         return self.temperature, self.top_k, self.top_p
 
 
-def check_sampling_values(op: str, params: SamplingParams, uniforms: np.ndarray) -> None:
+def check_sampling_values(op: str, params: SamplingBatch, uniforms: np.ndarray) -> None:
     """Raise PluginError unless temperature ≥ 0, top_k ≥ 0, 0 ≤ top_p ≤ 1 and 0 ≤ uniforms < 1 (all finite).
 
     Args:

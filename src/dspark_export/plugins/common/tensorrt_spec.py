@@ -1,8 +1,10 @@
-"""The TensorRT plugin form of the ``dspark`` ops, as data: names, fields, inputs, output shape/type rules.
+"""The data types of the TensorRT plugin form of the ``dspark`` ops: names, fields, inputs, output shape/type
+rules. Each op's own form is ``plugins/<op>/tensorrt.py``; ``plugins/registry.py`` gathers them as
+``PLUGIN_SPECS``.
 
-Pure Python (numpy, onnx): nothing here imports tensorrt, triton or torch. Three users read it:
+Pure Python (numpy, onnx): nothing here imports tensorrt, triton or torch. Three users read the specs:
 
-- ``engines/tensorrt/lowering.py`` writes plugin nodes from it (op type, domain, attributes, placeholder
+- ``engines/trt/lowering.py`` writes plugin nodes from it (op type, domain, attributes, placeholder
   inputs, output value_info);
 - ``plugins/tensorrt_plugins.py`` registers the plugins with ``tensorrt.plugin`` from it (the output rules
   become the ``@trtp.register`` shape/type function; the fields become its attributes);
@@ -39,12 +41,10 @@ import numpy as np
 
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
-from dspark_export.plugins.contract import OpSchema
-from dspark_export.plugins.markov_draft.schema import SCHEMA as MARKOV_DRAFT_SCHEMA
-from dspark_export.plugins.speculative_verify.schema import SCHEMA as VERIFY_SCHEMA
+from dspark_export.plugins.common.contract import OpSchema
 
 __all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "MIN_TRT_VERSION", "DEFAULT_BLOCK_V", "DEFAULT_NUM_PROBES",
-           "PluginField", "OutputRule", "PluginSpec", "PLUGIN_SPECS", "plugin_spec"]
+           "PluginField", "OutputRule", "PluginSpec", "BLOCK_FIELDS"]
 
 PLUGIN_NAMESPACE = DOMAIN
 """TensorRT plugin namespace of both plugins (``tensorrt.plugin`` forbids "", "trt", "tensorrt" and dots)."""
@@ -167,43 +167,8 @@ class PluginSpec:
         return out
 
 
-_BLOCK_FIELDS = (
+BLOCK_FIELDS = (
     PluginField("block_v", "vocab block of one program step (power of two >= 16)", DEFAULT_BLOCK_V),
     PluginField("num_probes", "probes per pass of the top-k/top-p searches (power of two)", DEFAULT_NUM_PROBES),
 )
-
-PLUGIN_SPECS: dict[str, PluginSpec] = {
-    "MarkovDraft": PluginSpec(
-        MARKOV_DRAFT_SCHEMA,
-        fields=(
-            PluginField("has_markov", "1: markov_w1/markov_w2 are real inputs; 0: placeholders (no bias)",
-                        None, (0, 1)),
-            PluginField("has_confidence", "1: confidence_weight/bias are real inputs; 0: placeholders "
-                                          "(confidence 1)", None, (0, 1)),
-            *_BLOCK_FIELDS,
-        ),
-        outputs=(
-            OutputRule("draft_ids", np.dtype(np.int64), (("base_logits", 0), ("base_logits", 1))),
-            OutputRule("draft_logits", np.dtype(np.float32),
-                       (("base_logits", 0), ("base_logits", 1), ("base_logits", 2))),
-            OutputRule("confidence", np.dtype(np.float32), (("base_logits", 0), ("base_logits", 1))),
-        ),
-        placeholders={"markov_w1": 2, "markov_w2": 2, "confidence_weight": 1, "confidence_bias": 1},
-    ),
-    "SpeculativeVerify": PluginSpec(
-        VERIFY_SCHEMA,
-        fields=_BLOCK_FIELDS,
-        outputs=(
-            OutputRule("num_accepted", np.dtype(np.int64), (("verify_lens", 0),)),
-            OutputRule("next_ids", np.dtype(np.int64), (("verify_lens", 0),)),
-        ),
-        placeholders={},
-    ),
-}
-
-
-def plugin_spec(op_type: str) -> PluginSpec:
-    """The plugin spec of ``op_type``; raises PluginError for an op with no TensorRT plugin."""
-    if op_type not in PLUGIN_SPECS:
-        raise PluginError(f"no TensorRT plugin for op {op_type!r}; plugins exist for {sorted(PLUGIN_SPECS)}")
-    return PLUGIN_SPECS[op_type]
+"""The vocab-block fields both plugins take (last, in this order)."""

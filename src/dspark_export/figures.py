@@ -1,4 +1,5 @@
-"""The report's figures, drawn with matplotlib's object API (no pyplot state) and returned as PNG bytes.
+"""The figures of the report, the benchmarks and calibration, drawn with matplotlib's object API (no pyplot
+state) and returned as PNG bytes. A base module (like errors.py): it imports nothing of the package.
 
 Every function takes plain JSON data (rows of profile/sps.json, a calibration.json, a benchmark result)
 and returns the PNG as bytes, so the caller decides where it goes (a file next to the HTML page, a
@@ -69,18 +70,19 @@ def latency_figure(target_rows: list[dict], context_len: int | None) -> bytes:
     return _png(fig)
 
 
-def sps_figure(target_rows: list[dict]) -> bytes:
-    """SPS of each bucket (points) and the staircase SPS(B) the scheduler reads for every B
-    (`runtime.scheduler.ThroughputProfile`: the fastest bucket ≥ B)."""
-    from ..runtime.scheduler import ThroughputProfile
+def sps_figure(buckets, steps_per_s, every, staircase) -> bytes:
+    """SPS of each bucket (points) and the staircase SPS(B) the scheduler reads for every B (the caller
+    computes it with `engines.sps.ThroughputProfile`: the fastest bucket ≥ B).
 
-    prof = ThroughputProfile.from_json({"target": target_rows})
-    every = np.arange(1, prof.max_tokens + 1)
+    Args:
+        buckets, steps_per_s: [n] the measured buckets B and their SPS (steps/s).
+        every, staircase: [m] every B = 1..max bucket and SPS(B) there.
+    """
     fig = _figure(6.4, 4.0)
     ax = fig.add_subplot()
-    ax.step(every, prof.sps(every), where="post", lw=1.6, label="SPS(B) used by the scheduler")
-    ax.plot(prof.buckets, prof.steps_per_s, "o", ms=5, label="measured per bucket (1000 / median ms)")
-    _log2_axis(ax, list(prof.buckets), "verification tokens B")
+    ax.step(every, staircase, where="post", lw=1.6, label="SPS(B) used by the scheduler")
+    ax.plot(buckets, steps_per_s, "o", ms=5, label="measured per bucket (1000 / median ms)")
+    _log2_axis(ax, list(buckets), "verification tokens B")
     ax.set_ylabel("target steps per second")
     ax.set_ylim(bottom=0)
     ax.set_title("Throughput profile SPS(B) (staircase)", fontsize=10)

@@ -35,9 +35,9 @@ import onnx
 import onnxruntime as ort
 from onnx.external_data_helper import uses_external_data
 
-from ..errors import EngineDirError
-from .runner import EngineRunner
-from .manifest import EngineKey
+from ...errors import EngineDirError
+from ..runner import EngineRunner
+from ..manifest import EngineKey
 
 log = logging.getLogger(__name__)
 

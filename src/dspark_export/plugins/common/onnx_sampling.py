@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from dspark_export.plugins.onnx_builder import NodeBuilder, make_if
+from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_if
 
 F32, I64 = np.float32, np.int64
 INT64_MAX = np.iinfo(np.int64).max

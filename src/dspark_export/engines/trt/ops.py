@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class Finding:
 
 def our_plugins() -> dict[str, int]:
     """`domain::op` → version of every custom op this package ships (the plugins TensorRT must provide)."""
-    from ..plugins.registry import OP_REGISTRY
+    from ...plugins.registry import OP_REGISTRY
 
     return {e.schema.qualified_name: int(e.schema.version) for e in OP_REGISTRY.values()}
 
