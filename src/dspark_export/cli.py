@@ -139,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
                           epilog=peers_cli.EXAMPLES, formatter_class=fmt)
     peers_cli.add_arguments(bp)
 
+    from .serve import cli as serve_cli_
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI/uvicorn; Ray Serve with --replicas N)",
+                        epilog=serve_cli_.EXAMPLES, formatter_class=fmt)
+    serve_cli_.add_arguments(sv)
+
     pr = sub.add_parser("profile", help="re-measure the SPS(B) table of an engine directory",
                         epilog=PROFILE_EXAMPLES, formatter_class=fmt)
     pr.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
@@ -281,6 +287,12 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serve import cli as serve_cli_
+
+    return serve_cli_.run(args, _progress)
+
+
 def cmd_profile(args) -> int:
     from .pipeline import reprofile
 
@@ -373,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile, "bench": cmd_bench,
                 "inspect": cmd_inspect, "report": cmd_report,
-                "export-profile": cmd_export_profile, "trt": cmd_trt}[args.command](args)
+                "export-profile": cmd_export_profile, "trt": cmd_trt, "serve": cmd_serve}[args.command](args)
     except DsparkExportError as e:
         if args.verbose:
             raise

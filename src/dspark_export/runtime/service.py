@@ -109,10 +109,13 @@ class Service:
     Args:
         runtime (Runtime): the opened engine directory (engines + tokenizer).
         policy (str | Policy): the default verification policy.
+        max_slots (int | None): requests decoded at once per policy (`Generator`'s max_slots); None = the
+            largest drafter bucket.
     """
 
-    def __init__(self, runtime: Runtime, policy: str | Policy = "dspark"):
+    def __init__(self, runtime: Runtime, policy: str | Policy = "dspark", max_slots: int | None = None):
         self.runtime = runtime
+        self.max_slots = max_slots
         self.default_policy = policy if isinstance(policy, Policy) else parse_policy(policy)
         self._lock = threading.RLock()
         self._generators: dict[str, Generator] = {}
@@ -205,6 +208,15 @@ class Service:
             events, self._events = self._events, []
         return events
 
+    def load(self) -> dict:
+        """Requests waiting for a KV-cache slot ("waiting") and holding one ("running"), over every
+        policy's generator, and the slots each generator may hold ("slots", the largest)."""
+        with self._lock:
+            gens = list(self._generators.values())
+        return {"waiting": sum(len(g._waiting) for g in gens),
+                "running": sum(s is not None for g in gens for s in g._slots),
+                "slots": max((g.max_slots for g in gens), default=0)}
+
     def stats(self) -> dict:
         """Counters: submitted, finished (all reasons), failed ("error"), cancelled, steps,
         generated_tokens, running (submitted and not finished)."""
@@ -219,7 +231,8 @@ class Service:
         with self._lock:
             gen = self._generators.get(key)
         if gen is None:
-            gen = Generator(self.runtime.engines, policy)   # may raise: no profile, fixed:K > γ
+            # may raise: no profile, fixed:K > γ. detokenize: stop strings, matched as `Runtime` does
+            gen = Generator(self.runtime.engines, policy, max_slots=self.max_slots, detokenize=self.runtime.decode)
             with self._lock:
                 gen = self._generators.setdefault(key, gen)
         return gen
