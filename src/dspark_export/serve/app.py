@@ -68,6 +68,8 @@ class ServeConfig:
         backend: "onnxruntime" or "tensorrt".
         verify: check the engine files' sha256 at load.
         replica_name: the `x-dspark-replica` header; None = Ray's replica id under Ray Serve, else host:pid.
+        load_in_background: load the engines in a thread while /health answers 503 (uvicorn); False: the
+            app's startup waits for them (Ray Serve, so a replica is routed to only once it can serve).
     """
 
     engine_dir: str | Path
@@ -81,6 +83,10 @@ class ServeConfig:
     backend: str = "onnxruntime"
     verify: bool = True
     replica_name: str | None = None
+    load_in_background: bool = True
+    #: testing only: seconds the driver sleeps before each step, so fault-injection tests (a replica
+    #: killed mid-request) can slow a tiny engine down; 0 in production
+    debug_step_delay_s: float = 0.0
 
     @property
     def served_model(self) -> str:
@@ -105,14 +111,18 @@ class _State:
         self._loader: threading.Thread | None = None
         self.on_load_error = None        # called with the message when loading fails (the CLI exits)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         if self.replica is None:
             self.replica = _replica_name()
         if self._service is not None:
             self._ready(self._service)
-            return
-        self._loader = threading.Thread(target=self._load, name="dspark-load", daemon=True)
-        self._loader.start()
+        elif self.config.load_in_background:
+            self._loader = threading.Thread(target=self._load, name="dspark-load", daemon=True)
+            self._loader.start()
+        else:
+            await asyncio.to_thread(self._load)
+            if self.load_error is not None:
+                raise RuntimeError(f"could not load {self.config.engine_dir}: {self.load_error}")
 
     def _load(self) -> None:
         from ..runtime.api import Runtime
@@ -130,7 +140,7 @@ class _State:
 
     def _ready(self, service) -> None:
         self.runtime = service.runtime
-        self.engine = AsyncEngine(service, self.metrics).start()
+        self.engine = AsyncEngine(service, self.metrics, step_delay_s=self.config.debug_step_delay_s).start()
 
     def close(self) -> None:
         if self.engine is not None:
@@ -223,7 +233,7 @@ def create_app(config: ServeConfig, service=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.start()
+        await state.start()
         try:
             yield
         finally:

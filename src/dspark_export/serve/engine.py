@@ -70,10 +70,11 @@ class AsyncEngine:
     Args:
         service (Service): the opened runtime front end.
         metrics (ServerMetrics | None): step time, queue depth and running requests are recorded here.
+        step_delay_s (float): testing only, a sleep before each step (`ServeConfig.debug_step_delay_s`).
     """
 
-    def __init__(self, service: Service, metrics: ServerMetrics | None = None):
-        self.service, self.metrics = service, metrics
+    def __init__(self, service: Service, metrics: ServerMetrics | None = None, step_delay_s: float = 0.0):
+        self.service, self.metrics, self.step_delay_s = service, metrics, step_delay_s
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -122,6 +123,8 @@ class AsyncEngine:
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             t0 = time.perf_counter()
             try:
                 svc.step()
