@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None,
                    help="an existing Ray cluster (default with --replicas > 1: start a local Ray instance)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (1)")
+    p.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow steps down
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
     config = ServeConfig(engine_dir=str(args.engine_dir.resolve()), policy=args.policy, model_name=args.model_name,
                          api_key=args.api_key if args.api_key is not None else os.environ.get("DSPARK_API_KEY", ""),
                          max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, max_slots=args.max_slots,
-                         threads=args.threads, backend=args.backend, verify=not args.no_verify)
+                         threads=args.threads, backend=args.backend, verify=not args.no_verify,
+                         debug_step_delay_s=args.debug_step_delay)
     if args.replicas > 1 or args.ray_address:
         from .ray_deploy import serve_on_ray
 
