@@ -380,12 +380,15 @@ class _Run:
     async def sse(self):
         """SSE chunks: a role chunk (chat), text deltas, the finish chunk, a usage chunk when asked, [DONE].
         An engine failure sends an OpenAI error event before [DONE]. Leaving early cancels the request."""
-        finished = False
+        finished = role_sent = False
         try:
-            if self.req.kind == "chat":
-                yield _sse(chunk_body(self.req, None, None, first=True))
             while True:
                 ev = await self.queue.get()
+                if self.req.kind == "chat" and not role_sent:
+                    # the role chunk goes with the first event, so a stream that has sent nothing has
+                    # generated nothing (the Ray router retries such a request on another replica)
+                    role_sent = True
+                    yield _sse(chunk_body(self.req, None, None, first=True))
                 self._observe(ev)
                 piece = self.text.feed(ev.text_delta, ev.finished)
                 if ev.finished:
