@@ -11,7 +11,7 @@ from dspark_export.cli import _parser, main
 
 COMMANDS = [["build"], ["generate"], ["bench"], ["bench", "serve"], ["bench", "acceptance"], ["bench", "peers"],
             ["profile"], ["report"], ["export-profile"], ["inspect"], ["trt"], ["trt", "build"], ["trt", "compare"],
-            ["trt", "plan"]]
+            ["trt", "plan"], ["serve"], ["bench", "http"]]
 
 
 def _subcommands(parser, prefix=()):
