@@ -313,7 +313,8 @@ def create_app(config: ServeConfig, service=None) -> FastAPI:
         try:
             rid, queue = state.engine.submit(req.prompt_ids, req.params, req.policy)
         except RequestError as e:
-            raise ProtocolError(str(e), param=str(e).split(":", 1)[0] or None) from None
+            field = str(e).split(":", 1)[0]
+            raise ProtocolError(str(e), param=field if field.isidentifier() else None) from None
         run = _Run(state, req, rid, queue, arrived)
         if req.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",

@@ -206,7 +206,8 @@ class Router:
                                                 "type": "service_unavailable", "param": None,
                                                 "code": "replica_failed"}}).encode()
                 await send({"type": "http.response.start", "status": 503,
-                            "headers": [(b"content-type", b"application/json")]})
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"x-dspark-replica", DEPLOYMENT_NAME.encode())]})
                 await send({"type": "http.response.body", "body": payload})
             elif sse:
                 event = {"error": {"message": f"the replica serving this stream failed ({reason})",
@@ -297,16 +298,18 @@ def serve_on_ray(config: ServeConfig, replicas: int, host: str = "127.0.0.1", po
                  progress: Callable[[str], None] = print) -> int:
     """`start_on_ray`, then serve until SIGTERM/SIGINT and stop (Ray Serve drains each replica for up
     to graceful_shutdown_timeout_s). Returns the exit code."""
+    running = start_on_ray(config, replicas, host, port, ray_address, replica_cpus, progress=progress)
     stop = threading.Event()
+    # after ray.init, which installs its own SIGTERM handler (a SIGTERM during startup exits through it)
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        running = start_on_ray(config, replicas, host, port, ray_address, replica_cpus, progress=progress)
-        try:
-            stop.wait()
-            progress("shutting down (draining the replicas)")
-        finally:
-            running.stop()
+        while not stop.wait(1.0):
+            pass
+        progress("shutting down (draining the replicas)")
         return 0
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        try:
+            running.stop()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
