@@ -321,3 +321,11 @@ def test_health_is_503_while_loading_then_200(serve_engine_dir, monkeypatch):
         wait_until(lambda: httpx.get(base + "/health", timeout=10).status_code == 200, 120, "/health 200")
         r = _post(base, "/v1/chat/completions", {"model": MODEL, "messages": _msg(), "max_tokens": 3}, key="")
         assert r.status_code == 200, r.text
+
+
+def test_parameters_at_their_no_op_values_are_accepted(client, serve_runtime):
+    """What ordinary clients send by default: n = 1, logprobs false, zero penalties, user, max_completion_tokens."""
+    want = _expected(serve_runtime, "defaults", max_new_tokens=6)
+    got = _chat(client, "defaults", max_completion_tokens=6, temperature=0, n=1, logprobs=False, presence_penalty=0,
+                frequency_penalty=0.0, user="someone", top_p=1)
+    assert got.choices[0].message.content == want.text and got.usage.completion_tokens == len(want.token_ids)
