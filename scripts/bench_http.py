@@ -1,16 +1,16 @@
 """HTTP load benchmark (same as `dspark-export bench http`): closed-loop clients against `dspark-export serve`
-vs the in-process Service, interleaved. See src/dspark_export/bench/http.py."""
+vs the in-process Service, interleaved. See src/dspark_export/serve/bench.py."""
 
 import argparse
 import sys
 import time
 
-from dspark_export.bench import http_cli
+from dspark_export.serve import cli as serve_cli
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, epilog=http_cli.EXAMPLES,
+    parser = argparse.ArgumentParser(description=__doc__, epilog=serve_cli.BENCH_EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    http_cli.add_arguments(parser)
+    serve_cli.add_bench_arguments(parser)
     t0 = time.perf_counter()
-    print(http_cli.run(parser.parse_args(), lambda m: print(f"[{time.perf_counter() - t0:7.1f}s] {m}",
+    print(serve_cli.run_bench(parser.parse_args(), lambda m: print(f"[{time.perf_counter() - t0:7.1f}s] {m}",
                                                             file=sys.stderr, flush=True)))

@@ -138,13 +138,11 @@ def _parser() -> argparse.ArgumentParser:
     bp = bench.add_parser("peers", help="single-user tokens/s vs onnxruntime-genai and transformers (same prompts, one run)",
                           epilog=peers_cli.EXAMPLES, formatter_class=fmt)
     peers_cli.add_arguments(bp)
-    from .bench import http_cli
+    from .serve import cli as serve_cli_
 
     bh = bench.add_parser("http", help="closed-loop HTTP load on `serve` vs the in-process Service (TTFT, TPOT, tok/s)",
-                          epilog=http_cli.EXAMPLES, formatter_class=fmt)
-    http_cli.add_arguments(bh)
-
-    from .serve import cli as serve_cli_
+                          epilog=serve_cli_.BENCH_EXAMPLES, formatter_class=fmt)
+    serve_cli_.add_bench_arguments(bh)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI/uvicorn; Ray Serve with --replicas N)",
                         epilog=serve_cli_.EXAMPLES, formatter_class=fmt)
@@ -285,9 +283,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import acceptance_cli, http_cli, peers_cli, serve_cli
+    from .bench import acceptance_cli, peers_cli, serve_cli
 
-    module = {"serve": serve_cli, "acceptance": acceptance_cli, "peers": peers_cli, "http": http_cli}[args.bench]
+    if args.bench == "http":
+        from .serve import cli as serve_cli_
+
+        print(serve_cli_.run_bench(args, _progress))
+        return 0
+    module = {"serve": serve_cli, "acceptance": acceptance_cli, "peers": peers_cli}[args.bench]
     print(module.run(args, _progress))
     return 0
 

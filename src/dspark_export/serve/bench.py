@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import ConfigError
-from .common import check_datasets, check_engine_dir, read_dataset
+from ..bench.common import check_datasets, check_engine_dir, read_dataset
 
 __all__ = ["HttpBenchConfig", "run_http_bench", "markdown_table", "write_reports"]
 
@@ -177,7 +177,7 @@ def run_http_bench(cfg: HttpBenchConfig, progress: Callable[[str], None] | None 
     """
     from ..runtime.api import Runtime
     from ..runtime.service import Service
-    from ..serve.engine import AsyncEngine
+    from .engine import AsyncEngine
 
     say = progress or (lambda m: None)
     engine_dir = check_engine_dir(cfg.engine_dir)
