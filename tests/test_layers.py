@@ -25,7 +25,7 @@ LAYERS = {
     "engines": 3,
     "runtime": 4,
     "bench": 5, "report": 5, "training": 5,
-    "pipeline": 6,
+    "pipeline": 6, "serve": 6,
     "cli": 7,
 }
 
