@@ -114,8 +114,8 @@ def cmd_calibrate(args, say):
     import numpy as np
 
     from dspark_export.modeling.checkpoint import load_drafter
-    from dspark_export.training.calibration import (fit_sts, reliability_bins, reliability_diagram, replay_rounds,
-                                                    write_calibration)
+    from dspark_export.training.calibration import (fit_calibration, reliability_bins, reliability_diagram,
+                                                    replay_rounds, write_calibration)
     from dspark_export.training.features import FeatureCache
 
     _, target = _target(args)
@@ -135,14 +135,15 @@ def cmd_calibrate(args, say):
                "conditional_acceptance": [round(x, 4) for x in rounds.conditional_acceptance()],
                "datasets": per_dataset}
     if drafter.confidence_head is not None:
-        fit = fit_sts(rounds)
+        fit = fit_calibration(rounds)
         summary["sts"] = fit
         write_calibration(run / "drafter", fit, {"fitted_on": "calibration split, greedy offline rounds",
                                                  "reliability": reliability_bins(rounds, fit["confidence_temperature"],
                                                                                  biases=fit["confidence_bias"])})
         reliability_diagram(rounds, fit["confidence_temperature"], out / "reliability.png", biases=fit["confidence_bias"])
         say(f"STS temperatures {fit['confidence_temperature']}, biases {fit['confidence_bias']}; ECE "
-            f"{fit['mean_ece_before']:.4f} → {fit['mean_ece_after']:.4f}")
+            f"{fit['mean_ece_before']:.4f} → {fit['mean_ece_after']:.4f}; temperature-only STS (σ(z/T) consumers) "
+            f"{fit['temperature_only']['confidence_temperature']}, ECE → {fit['temperature_only']['mean_ece_after']:.4f}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     say(f"offline τ (T=0) {summary['acceptance_length']:.3f} over {summary['rounds']} rounds; per position "
         f"{summary['conditional_acceptance']}")

@@ -90,3 +90,71 @@ def test_vllm_and_missing_profile_are_one_line_errors(engine_dir, tmp_path, caps
     assert not (tmp_path / "v").exists()
     code = cli_main(["export-profile", str(tmp_path / "nowhere"), "--format", "sglang", "--out", str(tmp_path / "s")])
     assert code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def calibrated_dir(tiny_target_dir, tmp_path_factory):
+    """A tiny engine directory whose drafter's calibration.json holds a temperature + bias fit (biases != 0) and
+    the temperature-only fit of the same synthetic rounds (`fit_calibration`)."""
+    import torch
+
+    from dspark_export.modeling.checkpoint import save_drafter
+    from dspark_export.modeling.config import DrafterConfig
+    from dspark_export.modeling.drafter import init_drafter
+    from dspark_export.modeling.target import load_target
+    from dspark_export.pipeline import BuildConfig, build_engine_dir
+    from dspark_export.training.calibration import Rounds, fit_calibration
+
+    rng = np.random.default_rng(3)
+    z = rng.normal(0.0, 2.0, size=(6000, 4))
+    rounds = Rounds(z.astype(np.float32), rng.random((6000, 4)) < 1 / (1 + np.exp(-(z / 2 + 0.8))),
+                    np.ones((6000, 4), bool), ["x"] * 6000)
+    fit = fit_calibration(rounds)
+    assert any(fit["confidence_bias"])
+    tmp = tmp_path_factory.mktemp("export-cal")
+    target = load_target(tiny_target_dir)
+    drafter = init_drafter(target, DrafterConfig.from_target(target.config, block_size=4, markov_rank=8))
+    ckpt = save_drafter(drafter, tmp / "drafter", include_embeddings=False, dtype=torch.float16)
+    (ckpt / "calibration.json").write_text(json.dumps({"method": "sts", **fit, "fitted_on": "synthetic rounds"}))
+    out = tmp / "eng"
+    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))
+    return out, fit
+
+
+def test_consumers_get_the_temperature_only_fit_and_its_own_ece(calibrated_dir, tmp_path):
+    """SGLang and TensorRT-LLM compute σ(z/T): the files carry the temperature-only fit and the ECE measured
+    for it, never the biased fit's temperatures or ECE; the generic file keeps both fits."""
+    from dspark_export.engines.export_profile import export_profile
+
+    engine_dir, fit = calibrated_dir
+    plain = fit["temperature_only"]
+    assert plain["confidence_temperature"] != fit["confidence_temperature"]
+    res = export_profile(engine_dir, "sglang", tmp_path / "s")
+    sts = json.loads((tmp_path / "s" / "sglang_sts.json").read_text())
+    assert sts["temperatures"] == plain["confidence_temperature"]
+    assert sts["ece_after"] == plain["ece_after"] and sts["ece_before"] == plain["ece_before"]
+    assert sts["num_samples"] == 6000 and any("sigmoid(z/T)" in n for n in res["notes"])
+    export_profile(engine_dir, "generic", tmp_path / "g")
+    gen = json.loads((tmp_path / "g" / "dspark_profile.json").read_text())
+    assert gen["confidence_temperature"] == fit["confidence_temperature"]
+    assert gen["confidence_bias"] == fit["confidence_bias"]
+    assert gen["temperature_only"]["temperatures"] == plain["confidence_temperature"]
+
+
+def test_a_biased_calibration_without_a_temperature_only_fit_is_refused(calibrated_dir, tmp_path):
+    import shutil
+
+    from dspark_export.engines.export_profile import export_profile
+    from dspark_export.engines.manifest import Manifest
+    from dspark_export.errors import ConfigError
+
+    src, fit = calibrated_dir
+    engine_dir = tmp_path / "copy"
+    shutil.copytree(src, engine_dir)
+    for p in [engine_dir, *engine_dir.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    old = {k: v for k, v in fit.items() if k != "temperature_only"}
+    Manifest.load(engine_dir).replace_file("drafter/calibration.json", json.dumps(old).encode())
+    with pytest.raises(ConfigError, match=r"calibration.json: temperature_only: no temperature-only STS fit"):
+        export_profile(engine_dir, "sglang", tmp_path / "s")
+    assert not (tmp_path / "s").exists()

@@ -87,3 +87,30 @@ def test_bias_recovers_a_shifted_head_that_temperature_cannot_fix():
     assert both["mean_ece_after"] < 0.015 < temps_only["mean_ece_after"]
     rel = reliability_bins(rounds, both["confidence_temperature"], biases=both["confidence_bias"])
     assert [p["sts"]["ece"] for p in rel["positions"]] == pytest.approx(both["ece_after"], abs=1e-5)
+
+
+def test_fit_calibration_keeps_a_temperature_only_fit_with_its_own_ece():
+    """σ(z/T) consumers get the paper's STS fitted on the same rounds; its ECE is that of Π σ(z_i/T_i) itself
+    (not the temperature + bias fit's), and a shifted head leaves it worse than the biased fit."""
+    from dspark_export.training.calibration import fit_calibration, temperature_only
+
+    rng = np.random.default_rng(2)
+    n, G = 12000, 3
+    z = rng.normal(0.0, 2.0, size=(n, G))
+    accepted = rng.random((n, G)) < 1 / (1 + np.exp(-(z * 0.5 + 0.8)))
+    rounds = Rounds(z.astype(np.float32), accepted, np.ones((n, G), bool), ["x"] * n)
+    fit = fit_calibration(rounds)
+    plain = fit["temperature_only"]
+    assert plain == {k: fit_sts(rounds, bias_grid=(0.0,))[k] for k in plain}
+    assert any(fit["confidence_bias"]) and "confidence_bias" not in plain
+    a = survival(rounds.conf_logits, plain["confidence_temperature"])
+    y = rounds.survived
+    assert plain["ece_after"] == pytest.approx([expected_calibration_error(a[:, k], y[:, k]) for k in range(G)],
+                                               abs=1e-5)
+    assert fit["mean_ece_after"] < plain["mean_ece_after"]
+    assert temperature_only(fit) is plain
+    # an old file (biases, no entry) has no temperature-only fit; a bias-free one is its own
+    old = {k: v for k, v in fit.items() if k != "temperature_only"}
+    assert temperature_only(old) is None
+    assert temperature_only({**old, "confidence_bias": [0.0] * G})["confidence_temperature"] == \
+        fit["confidence_temperature"]

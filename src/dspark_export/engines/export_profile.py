@@ -93,19 +93,33 @@ def _trtllm_cost(stairs: list[dict]) -> dict:
 
 
 def _calibration(manifest: Manifest) -> dict:
-    temps = [float(t) for t in manifest.runtime["confidence_temperature"]]
-    cal: dict = {}
-    rel = (manifest.data.get("calibration") or {}).get("path")
-    if rel:
-        try:
-            loaded = json.loads(manifest.path_of(rel, "calibration.path").read_text(encoding="utf-8"))
-            cal = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            cal = {}
-    same = [float(t) for t in cal.get("confidence_temperature", [])] == temps
-    return {"temperatures": temps, "ece_before": cal.get("ece_before") if same else None,
-            "ece_after": cal.get("ece_after") if same else None, "rounds": cal.get("rounds") if same else None,
-            "fitted_on": cal.get("fitted_on") if same else None}
+    """The temperature-only STS fit (σ(z/T), what the consumers compute) and its own ECE.
+
+    Taken from the directory's calibration.json (`training.calibration.temperature_only`); without that file the
+    manifest's temperatures are used when its biases are all 0 (they are then a temperature-only fit, ECE
+    unknown).
+
+    Raises:
+        ConfigError: the engine applies per-position biases and no temperature-only fit is recorded (a
+            calibration.json written before `fit_calibration`): exporting its temperatures without the biases
+            would hand the consumer a fit that was never scored.
+    """
+    from ..training.calibration import temperature_only
+
+    cal = manifest.calibration() or {}
+    fit = temperature_only(cal) if cal else None
+    if fit is None and not any(manifest.confidence_bias):
+        fit = {"confidence_temperature": manifest.runtime["confidence_temperature"]}
+    if fit is None:
+        where = (manifest.data.get("calibration") or {}).get("path") or "the drafter's calibration.json"
+        raise ConfigError(f"{manifest.root / where}: temperature_only: no temperature-only STS fit recorded, and the "
+                          f"engine's calibration adds per-position biases {manifest.confidence_bias} that SGLang and "
+                          "TensorRT-LLM cannot apply (they compute sigmoid(z/T)); re-run `scripts/train_drafter.py "
+                          "calibrate` (it fits both) and rebuild")
+    temps = [float(t) for t in fit["confidence_temperature"]]
+    return {"temperatures": temps, "ece_before": fit.get("ece_before"), "ece_after": fit.get("ece_after"),
+            "mean_ece_before": fit.get("mean_ece_before"), "mean_ece_after": fit.get("mean_ece_after"),
+            "rounds": fit.get("rounds"), "fitted_on": cal.get("fitted_on")}
 
 
 def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
@@ -130,6 +144,7 @@ def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
     sps = read_sps(path)
     stairs = sps_staircase(sps.get("target") or [])
     cal = _calibration(manifest)
+    full_cal = manifest.calibration() or {}
     block = int(manifest.runtime["block_size"])
     calibrated = any(abs(t - 1.0) > 1e-9 for t in cal["temperatures"])
     out = Path(out)
@@ -141,9 +156,9 @@ def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
         notes.append("the drafter is uncalibrated (all STS temperatures 1)")
     biases = manifest.confidence_bias
     if any(biases) and fmt in ("sglang", "trtllm"):
-        notes.append(f"the per-position confidence biases {biases} (this project's addition to STS) have no field in "
-                     f"the {fmt} calibration file: only the temperatures are exported, so that server's confidences "
-                     "stay biased (mean ECE as with temperatures alone)")
+        notes.append(f"{fmt} computes sigmoid(z/T): the file holds the temperature-only STS fit of the same held-out "
+                     f"rounds (mean ECE {cal['mean_ece_after']}), not this engine's temperature + bias fit "
+                     f"(biases {biases})")
     files: dict[str, Path] = {}
     flags: dict[str, str] = {}
 
@@ -177,9 +192,11 @@ def export_profile(engine_dir: str | Path, fmt: str, out: str | Path) -> dict:
                                 "served_by": s["served_by"], "sps": s["sps"]}
                                for r, s in zip(sps.target, stairs)],
                    "drafter_block": sps.get("drafter_block", []),
-                   "confidence_temperature": cal["temperatures"],
-                   "confidence_bias": biases, "ece_before": cal["ece_before"],
-                   "ece_after": cal["ece_after"]}
+                   "confidence_temperature": [float(t) for t in manifest.runtime["confidence_temperature"]],
+                   "confidence_bias": biases, "ece_before": full_cal.get("ece_before"),
+                   "ece_after": full_cal.get("ece_after"),
+                   "temperature_only": {k: cal[k] for k in ("temperatures", "ece_before", "ece_after",
+                                                            "mean_ece_after", "rounds")}}
         write("dspark_profile.json", "json", json.dumps(generic, indent=1) + "\n")
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")

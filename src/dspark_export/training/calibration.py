@@ -14,7 +14,9 @@ the observed survival ``y_k = Π_{i≤k} accepted_i`` with positions 0..k-1 alre
 logit by T > 0 and adding b keeps the order of the confidences at each position.
 
 The bias b_k is this project's addition to the paper's STS (§3.2.1 fits T_k only; b = 0 gives it
-back exactly). A temperature cannot move the mean confidence, and the shipped SmolLM2 drafter's head is
+back exactly). Serving engines with DSpark support (SGLang, TensorRT-LLM) compute σ(z_k / T_k) only, so
+`fit_calibration` also fits the paper's temperature-only STS on the same rounds, with its own ECE, and stores
+it under ``temperature_only``: that is the fit `export-profile` writes for them. A temperature cannot move the mean confidence, and the shipped SmolLM2 drafter's head is
 biased: its calibrated first-position survival averaged 0.526 against 0.467 accepted, which held the
 mean ECE at 2.54 % with temperatures alone, and 1.16 % with a bias per position (same rounds). The
 head is trained on the analytic acceptance 1 − ½‖p − q‖₁, the rounds count greedy matches.
@@ -33,8 +35,8 @@ from ..modeling.drafter import DSparkDrafter
 from .features import FeatureCache
 from .objective import TrainBatch, block_forward
 
-__all__ = ["Rounds", "replay_rounds", "expected_calibration_error", "fit_sts", "survival",
-           "reliability_diagram", "reliability_bins", "DEFAULT_GRID", "DEFAULT_BIAS_GRID", "CALIBRATION_FILE"]
+__all__ = ["Rounds", "replay_rounds", "expected_calibration_error", "fit_sts", "fit_calibration", "survival",
+           "reliability_diagram", "reliability_bins", "temperature_only", "DEFAULT_GRID", "DEFAULT_BIAS_GRID", "CALIBRATION_FILE"]
 
 #: Written next to a drafter checkpoint; `dspark-export build` copies the temperatures into the manifest.
 CALIBRATION_FILE = "calibration.json"
@@ -175,6 +177,40 @@ def fit_sts(rounds: Rounds, grid=DEFAULT_GRID, bins: int = 20, bias_grid=DEFAULT
             "ece_before": [round(e, 5) for e in ece_before],
             "ece_after": [round(e, 5) for e in ece_after], "mean_ece_before": round(float(np.mean(ece_before)), 5),
             "mean_ece_after": round(float(np.mean(ece_after)), 5), "rounds": int(len(z)), "bins": bins}
+
+
+#: the fields of a temperature-only fit kept in calibration.json's ``temperature_only`` entry
+TEMPERATURE_ONLY_FIELDS = ("confidence_temperature", "ece_before", "ece_after", "mean_ece_before", "mean_ece_after",
+                           "rounds", "bins")
+
+
+def fit_calibration(rounds: Rounds, grid=DEFAULT_GRID, bins: int = 20, bias_grid=DEFAULT_BIAS_GRID) -> dict:
+    """Both fits on the same rounds: temperature + bias per position (what this project's runtime applies)
+    and the paper's temperature-only STS (what σ(z/T) consumers apply), each with its own ECE.
+
+    Returns:
+        `fit_sts(rounds, grid, bins, bias_grid)` plus ``"temperature_only"``: {confidence_temperature [γ],
+        ece_before [γ], ece_after [γ], mean_ece_before, mean_ece_after, rounds, bins} of
+        `fit_sts(rounds, grid, bins, bias_grid=(0.0,))`; ece_after there is the ECE of Π σ(z_i / T_i) itself.
+    """
+    fit = fit_sts(rounds, grid, bins, bias_grid)
+    plain = fit_sts(rounds, grid, bins, (0.0,))
+    fit["temperature_only"] = {k: plain[k] for k in TEMPERATURE_ONLY_FIELDS}
+    return fit
+
+
+def temperature_only(calibration: dict) -> dict | None:
+    """The temperature-only STS fit of a calibration.json (σ(z/T), no bias), or None when the file has none.
+
+    A file without a ``temperature_only`` entry whose biases are all 0 (or absent) is itself a temperature-only
+    fit; one with non-zero biases and no entry (written before `fit_calibration`) has none.
+    """
+    entry = calibration.get("temperature_only")
+    if isinstance(entry, dict) and "confidence_temperature" in entry:
+        return entry
+    if not any(float(b) for b in calibration.get("confidence_bias") or []) and "confidence_temperature" in calibration:
+        return {k: calibration.get(k) for k in TEMPERATURE_ONLY_FIELDS}
+    return None
 
 
 def reliability_bins(rounds: Rounds, temperatures, bins: int = 20, biases=None) -> dict:
