@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dspark_export.cli import main as cli_main
-from dspark_export.engines.export_profile import _sglang_sps, _trtllm_cost, sps_staircase
+from dspark_export.engines.export_profile import (_sglang_additive, _sglang_sps, _trtllm_cost, draft_staircase,
+                                                  sps_staircase)
 from dspark_export.errors import ProfileError
 from dspark_export.engines.sps import ThroughputProfile
 
@@ -59,8 +60,10 @@ def engine_dir(build_tiny_engine_dir):
     return build_tiny_engine_dir("export", **BUCKETS)
 
 
-@pytest.mark.parametrize("fmt, names", [("sglang", {"sglang_sps_table.json", "sglang_sts.json"}),
-                                        ("trtllm", {"trtllm_cost_table.json", "trtllm_calibration.json"}),
+@pytest.mark.parametrize("fmt, names", [("sglang", {"sglang_sps_table.json", "sglang_sps_additive.json",
+                                                   "sglang_sts.json"}),
+                                        ("trtllm", {"trtllm_sps_table.json", "trtllm_sts.json",
+                                                    "trtllm_speculative_config.yaml"}),
                                         ("generic", {"dspark_profile.json", "dspark_profile.csv"})])
 def test_cli_writes_each_format(engine_dir, tmp_path, capsys, fmt, names):
     out = tmp_path / fmt
@@ -74,9 +77,10 @@ def test_cli_writes_each_format(engine_dir, tmp_path, capsys, fmt, names):
             "--speculative-dspark-sps-table-path", "--speculative-dspark-confidence-sts-path"}
         assert any("uncalibrated" in n for n in result["notes"])
     elif fmt == "trtllm":
-        assert json.loads((out / "trtllm_calibration.json").read_text()) == {"sts_temperatures": [1.0] * 4}
-        cost = json.loads((out / "trtllm_cost_table.json").read_text())
+        assert json.loads((out / "trtllm_sts.json").read_text())["sts_temperatures"] == [1.0] * 4
+        cost = json.loads((out / "trtllm_sps_table.json").read_text())
         assert cost["token_counts"][-1] == 8
+        assert set(result["flags"]) == {"confidence_sps_table_path", "confidence_sts_path", "config"}
     else:
         rows = list(csv.DictReader((out / "dspark_profile.csv").open()))
         assert [int(r["B"]) for r in rows] == [1, 2, 4, 8]
@@ -158,3 +162,182 @@ def test_a_biased_calibration_without_a_temperature_only_fit_is_refused(calibrat
     with pytest.raises(ConfigError, match=r"calibration.json: temperature_only: no temperature-only STS fit"):
         export_profile(engine_dir, "sglang", tmp_path / "s")
     assert not (tmp_path / "s").exists()
+
+
+# -- schema: the fields each consumer's own loader reads (SGLang dspark_sps.py / dspark_sts.py, msgspec structs;
+# TensorRT-LLM dspark_planner.py legacy table loader / dspark_sts.py), checked on the written files ---------------
+
+DRAFTS = [{"R": 1, "median_ms": 5.0}, {"R": 2, "median_ms": 6.0}, {"R": 4, "median_ms": 9.0}]
+
+
+def _ints(v):
+    return isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _floats(v):
+    return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x)
+                                       for x in v)
+
+
+def _increasing(v):
+    return all(b > a for a, b in zip(v, v[1:]))
+
+
+def _check_sglang_sps(path):
+    text = path.read_text()
+    t = json.loads(text)
+    assert '"bias_seconds"' not in text        # SGLang picks the additive struct by this substring
+    assert _ints(t["sample_batch_tokens"]) and _increasing(t["sample_batch_tokens"])
+    assert _floats(t["sample_steps_per_sec"]) and len(t["sample_steps_per_sec"]) == len(t["sample_batch_tokens"])
+    assert isinstance(t["max_batch_tokens"], int) and t["max_batch_tokens"] >= t["sample_batch_tokens"][-1]
+    return t
+
+
+def _check_sglang_additive(path):
+    text = path.read_text()
+    t = json.loads(text)
+    assert '"bias_seconds"' in text and isinstance(t["bias_seconds"], float) and t["bias_seconds"] > 0
+    for probes, values in (("bs_probes", "alpha_seconds"), ("m_probes", "theta_seconds")):
+        assert _ints(t[probes]) and _increasing(t[probes]) and _floats(t[values]) and len(t[values]) == len(t[probes])
+    return t
+
+
+def _check_sglang_sts(path, gamma):
+    t = json.loads(path.read_text())
+    assert _floats(t["temperatures"]) and len(t["temperatures"]) == gamma and min(t["temperatures"]) > 0
+    assert isinstance(t["dataset"], str) and isinstance(t["num_samples"], int)
+    for k in ("ece_before", "ece_after"):       # list[float] when present (msgspec rejects null)
+        assert k not in t or (_floats(t[k]) and len(t[k]) == gamma)
+    return t
+
+
+TRT_V2_MARKERS = {"cost_tables", "engine_fingerprint", "engine_fingerprint_sha256", "measurements", "schema_version"}
+
+
+def _check_trtllm_table(path):
+    t = json.loads(path.read_text())
+    assert not TRT_V2_MARKERS & set(t)         # any of them routes the file to the exact schema-v2 loader
+    assert _ints(t["token_counts"]) and _increasing(t["token_counts"])
+    assert _floats(t["step_time_ms"]) and min(t["step_time_ms"]) > 0 and len(t["step_time_ms"]) == len(t["token_counts"])
+    assert isinstance(t["fixed_overhead_ms"], float) and t["fixed_overhead_ms"] >= 0
+    assert t["batch_sizes"] == [] or (_ints(t["batch_sizes"]) and _increasing(t["batch_sizes"]))
+    assert _floats(t["batch_overhead_ms"]) and len(t["batch_overhead_ms"]) == len(t["batch_sizes"])
+    assert min(t["batch_overhead_ms"], default=0) >= 0 and t["minimum_predicted_gain"] >= 0
+    assert t["_meta"]["lookup"] == "interp"
+    engine = t["_meta"]["engine"]
+    assert {"tp", "ep", "attention_dp", "block", "max_batch_size"} <= set(engine)
+    return t
+
+
+def _sglang_step_seconds(t, num_requests, m):
+    """SGLang's additive model as its planner evaluates it: bias + α(R) + θ(m), clamped interpolation."""
+    return (t["bias_seconds"] + float(np.interp(num_requests, t["bs_probes"], t["alpha_seconds"]))
+            + float(np.interp(m, t["m_probes"], t["theta_seconds"])))
+
+
+def _trtllm_step_ms(t, num_requests, tokens):
+    return (float(np.interp(tokens, t["token_counts"], t["step_time_ms"])) + t["fixed_overhead_ms"]
+            + (float(np.interp(num_requests, t["batch_sizes"], t["batch_overhead_ms"])) if t["batch_sizes"] else 0))
+
+
+def _runtime(rows, drafts):
+    return ThroughputProfile.from_json({"target": [{"B": r["B"], "sps": 1000 / r["median_ms"]} for r in rows],
+                                        "drafter_block": drafts})
+
+
+def test_both_consumers_price_a_step_as_the_runtime_does_drafter_cost_included():
+    """For every B the engines can run and every R: SGLang's additive step time and TensorRT-LLM's step cost
+    equal the runtime's 1/SPS(B) + d(R) (d from the smallest drafter bucket >= R, the largest beyond it)."""
+    stairs, drafts = sps_staircase(ROWS), draft_staircase(DRAFTS)
+    add, trt = _sglang_additive(stairs, drafts), _trtllm_cost(stairs, drafts)
+    runtime = _runtime(ROWS, DRAFTS)
+    for r in range(1, 7):
+        for b in range(r, 17):
+            want = float(runtime.step_seconds([b])[0]) + runtime.draft_seconds(r)
+            assert _sglang_step_seconds(add, r, b) == pytest.approx(want, rel=1e-9), (r, b)
+            assert _trtllm_step_ms(trt, r, b) / 1000 == pytest.approx(want, rel=1e-9), (r, b)
+
+
+def test_sglang_budget_with_the_additive_table_is_the_runtime_capacity():
+    """SGLang's planner (global argmax of τ(k) / step_time(R, R + k)) admits as many drafts as the runtime's
+    global capacity search with the drafter cost; the plain SPS table (no d(R)) admits more."""
+    from dspark_export.runtime.scheduler import _sorted_candidates, search_capacity, survival_probs
+
+    stairs, drafts = sps_staircase(ROWS), draft_staircase(DRAFTS)
+    add, plain = _sglang_additive(stairs, drafts), _sglang_sps(stairs)
+    runtime = _runtime(ROWS, DRAFTS)
+    rng = np.random.default_rng(5)
+    differs = 0
+    for _ in range(40):
+        R = int(rng.integers(1, 5))
+        conf = rng.uniform(0.3, 1.0, size=(R, 4))
+        a = survival_probs(conf)
+        _, ranked = _sorted_candidates(a)
+        ranked = ranked[: 16 - R]
+        tau = R + np.concatenate(([0.0], np.cumsum(ranked)))
+        k = np.arange(tau.size)
+        sg = int(np.argmax(tau / np.array([_sglang_step_seconds(add, R, R + i) for i in k])))
+        assert sg == search_capacity(ranked, R, runtime, early_stop=False)
+        probes = plain["sample_batch_tokens"]
+        floor = [plain["sample_steps_per_sec"][max(0, bisect.bisect_right(probes, R + i) - 1)] for i in k]
+        differs += int(np.argmax(tau * np.array(floor))) != sg
+    assert differs > 0        # the drafter cost changes decisions: the additive file is the one to use
+
+
+@pytest.fixture(scope="module")
+def profiled_dir(engine_dir, tmp_path_factory):
+    """The tiny directory with a TensorRT profile recorded beside the ONNX Runtime one (the ONNX Runtime rows
+    under another device label: what `trt build` writes, without a GPU)."""
+    import shutil
+
+    from dspark_export.engines.manifest import Manifest
+
+    out = tmp_path_factory.mktemp("trtprof") / "tiny"
+    shutil.copytree(engine_dir, out)
+    for p in [out, *out.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    sps = json.loads((out / "profile" / "sps.json").read_text())
+    sps["device"] = {"backend": "tensorrt", "providers": ["TensorRT"], "gpu": "test label"}
+    (out / "profile" / "tensorrt").mkdir()
+    (out / "profile" / "tensorrt" / "sps.json").write_text(json.dumps(sps))
+    m = Manifest.load(out)
+    m.data.setdefault("backends", {})["tensorrt"] = {"profile": {"path": "profile/tensorrt/sps.json"}}
+    m.record_files(["profile/tensorrt/sps.json"])
+    m.save()
+    return out
+
+
+def test_written_files_match_the_consumers_schemas(profiled_dir, tmp_path):
+    from dspark_export.engines.export_profile import export_profile
+
+    res = export_profile(profiled_dir, "sglang", tmp_path / "s")
+    sps = json.loads((profiled_dir / "profile" / "sps.json").read_text())
+    for sfx, backend in (("", "onnxruntime"), (".tensorrt", "tensorrt")):
+        plain = _check_sglang_sps(tmp_path / "s" / f"sglang_sps_table{sfx}.json")
+        add = _check_sglang_additive(tmp_path / "s" / f"sglang_sps_additive{sfx}.json")
+        assert plain["_meta"]["measured_on"]["backend"] == backend == add["_meta"]["measured_on"]["backend"]
+        assert plain["_meta"]["measured_on"]["target_weights"] == "fp32"
+        assert plain["max_batch_tokens"] == 8
+        assert res["flags_by_profile"][backend]["--speculative-dspark-sps-table-path"].endswith(
+            f"sglang_sps_additive{sfx}.json")
+        assert add["alpha_seconds"][-1] == pytest.approx(max(r["median_ms"] for r in sps["drafter_block"]
+                                                             if r["R"] == max(x["R"] for x in sps["drafter_block"]))
+                                                         / 1000)
+    _check_sglang_sts(tmp_path / "s" / "sglang_sts.json", 4)
+    assert any("SGLANG_RAGGED_VERIFY_MODE" in n and "static" in n for n in res["notes"])
+    res = export_profile(profiled_dir, "trtllm", tmp_path / "t")
+    for sfx in ("", ".tensorrt"):
+        t = _check_trtllm_table(tmp_path / "t" / f"trtllm_sps_table{sfx}.json")
+        assert t["_meta"]["engine"]["block"] == 4 and t["_meta"]["engine"]["max_batch_size"] == 2
+        assert t["batch_sizes"] and t["_meta"]["measured_on"]["drafter_lm_head"] in ("int8", "float32")
+        yaml = (tmp_path / "t" / f"trtllm_speculative_config{sfx}.yaml").read_text()
+        for line in ("enable_confidence_scheduling: true", "enable_ragged_verify: true",
+                     f"confidence_sps_table_path: \"{tmp_path / 't' / f'trtllm_sps_table{sfx}.json'}\"",
+                     f"confidence_sts_path: \"{tmp_path / 't' / 'trtllm_sts.json'}\""):
+            assert line in yaml, line
+    sts = json.loads((tmp_path / "t" / "trtllm_sts.json").read_text())
+    assert sts["sts_temperatures"] == [1.0] * 4
+    export_profile(profiled_dir, "generic", tmp_path / "g")
+    assert {p.name for p in (tmp_path / "g").iterdir()} == {"dspark_profile.json", "dspark_profile.csv",
+                                                            "dspark_profile.tensorrt.json",
+                                                            "dspark_profile.tensorrt.csv"}
