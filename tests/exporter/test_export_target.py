@@ -16,27 +16,28 @@ from dspark_export.exporter.target import build_target_graph, target_io_contract
 TAPS = (1, 2)
 
 
-def _session(model):
-    proto, spec = build_target_graph(model, TAPS)
+def _session(model, taps=TAPS):
+    proto, spec = build_target_graph(model, taps)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     return ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"]), spec, proto
 
 
-def _hf_reference(model, seq: torch.Tensor, past: int):
+def _hf_reference(model, seq: torch.Tensor, past: int, taps=TAPS):
     """Logits / tapped features of rows past.. of `seq`, and the HF KV cache after `past` tokens."""
     with torch.no_grad():
         full = model(seq[None], output_hidden_states=True)
         cache = DynamicCache()
         if past:
             model(seq[None, :past], cache=cache, use_cache=True)
-    feats = torch.cat([full.hidden_states[t + 1][0, past:] for t in TAPS], -1).numpy()
+    # hidden_states[0] is the embedding output (tap -1), hidden_states[t + 1] layer t's raw output
+    feats = torch.cat([full.hidden_states[t + 1][0, past:] for t in taps], -1).numpy()
     return full.logits[0, past:].numpy(), feats, cache
 
 
-def _run_mixed(model, requests, positions_offset=0, seed=0):
+def _run_mixed(model, requests, positions_offset=0, seed=0, taps=TAPS):
     """requests: [(past_len, query_len)]; returns max abs logits / feature error over all rows."""
-    sess, spec, _ = _session(model)
+    sess, spec, _ = _session(model, taps)
     rng = np.random.default_rng(seed)
     R, P = len(requests), max(p for p, _ in requests) + 3
     keys = [np.zeros((R, spec.num_kv_heads, P, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
@@ -44,7 +45,7 @@ def _run_mixed(model, requests, positions_offset=0, seed=0):
     segments, refs = [], []
     for r, (p, q) in enumerate(requests):
         seq = torch.tensor(rng.integers(0, spec.vocab_size, p + q))
-        logits, feats, cache = _hf_reference(model, seq, p)
+        logits, feats, cache = _hf_reference(model, seq, p, taps)
         for layer in range(spec.num_layers if p else 0):
             keys[layer][r, :, :p] = cache.layers[layer].keys[0].numpy()
             values[layer][r, :, :p] = cache.layers[layer].values[0].numpy()
@@ -73,6 +74,15 @@ def _run_mixed(model, requests, positions_offset=0, seed=0):
 def test_parity_with_transformers(tiny_target, requests):
     err_l, err_f = _run_mixed(tiny_target, requests)
     assert err_l < 1e-4 and err_f < 1e-4, (err_l, err_f)
+
+
+def test_embedding_tap_minus_one_is_the_embedding_output(tiny_target):
+    """DeepSpec's target_layer_ids may hold -1, the embedding output (its eval reads hidden_states[0]): the
+    graph's aux_hidden starts with it, equal to transformers' on every row of a mixed batch."""
+    err_l, err_f = _run_mixed(tiny_target, [(0, 5), (7, 1), (3, 4)], taps=(-1, 1))
+    assert err_l < 1e-4 and err_f < 1e-4, (err_l, err_f)
+    with pytest.raises(ExportError, match=r"tap_layer_ids.*\{-1\}"):
+        build_target_graph(tiny_target, [-2, 1])
 
 
 def test_positions_up_to_max_position_embeddings(tiny_llama):

@@ -256,3 +256,78 @@ def test_weights_files(tmp_path, qwen3_target):
     (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json")
     with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
         load_drafter(tmp_path, qwen3_target)
+
+
+# --------------------------------------------------------------------------- DeepSpec's own save path
+
+#: fields DeepSpec's Qwen3DSparkModel.__init__ asserts on the loaded config (reference §1.1; afdfa7c), and the
+#: ones it then needs when markov_rank > 0 / the confidence head is on
+DEEPSPEC_REQUIRED = ("target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head", "markov_rank",
+                     "markov_head_type", "confidence_head_with_markov")
+
+
+def _deepspec_saved(folder: Path, qwen3_target, target_layer_ids=(-1, 2)) -> Path:
+    """A drafter folder as DeepSpec writes it: the tiny Qwen3 target's transformers config, deep-copied and given
+    the DSpark fields the way build_draft_config sets them (reference §1.1), saved by transformers' own
+    save_pretrained (so the file holds every key that path writes), plus bf16 tensors under DeepSpec's names."""
+    import copy
+
+    cfg = copy.deepcopy(qwen3_target.config)
+    cfg.architectures = ["Qwen3DSparkModel"]
+    cfg.num_target_layers = cfg.num_hidden_layers
+    cfg.num_hidden_layers = 2
+    cfg.layer_types = ["full_attention"] * 2
+    cfg.block_size, cfg.tie_word_embeddings, cfg.mask_token_id = 7, False, 250
+    cfg.target_layer_ids, cfg.num_anchors = list(target_layer_ids), 512
+    cfg.enable_confidence_head, cfg.confidence_head_with_markov = True, True
+    cfg.markov_rank, cfg.markov_head_type = 8, "vanilla"
+    cfg.dtype = torch.bfloat16
+    cfg.save_pretrained(folder)
+    data = json.loads((folder / "config.json").read_text())
+    save_file(_deepspec_tensors(data), folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_deepspec_config_round_trip_keeps_every_key(tmp_path, qwen3_target):
+    """Every key DeepSpec's save path writes survives load + save unchanged (num_anchors, bos/eos/pad ids,
+    sliding-window keys, attention_dropout, initializer_range, use_cache, transformers_version, ...); our own
+    key sits under `dspark_export`; transformers reads the result back as DeepSpec's loader does, with every
+    field DeepSpec's model asserts; tap -1 (the embedding output) is kept."""
+    from transformers import AutoConfig
+
+    src = _deepspec_saved(tmp_path / "ds", qwen3_target)
+    written = json.loads((src / "config.json").read_text())
+    for key in ("num_anchors", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",
+                "initializer_range", "use_cache", "transformers_version", "sliding_window", "use_sliding_window",
+                "max_window_layers"):
+        assert key in written, key     # the fixture really holds what the issue lists
+    drafter = load_drafter(src, qwen3_target)
+    assert drafter.config.target_layer_ids == (-1, 2) and drafter.config.is_trained
+    out = save_drafter(drafter, tmp_path / "ours", dtype=torch.bfloat16)
+    ours = json.loads((out / "config.json").read_text())
+    changed = {k: (written[k], ours.get(k)) for k in written if ours.get(k, "<missing>") != written[k]}
+    assert changed == {} and set(ours) - set(written) == {"dspark_export"}
+    assert ours["dspark_export"] == {"is_trained": True}
+    back = AutoConfig.from_pretrained(out)
+    assert type(back).__name__ == "Qwen3Config"
+    for field in DEEPSPEC_REQUIRED:
+        assert getattr(back, field) == written[field], field
+    again = load_drafter(out, qwen3_target)
+    assert again.config == drafter.config and again.config.extra == drafter.config.extra
+
+
+def test_fresh_drafter_config_carries_what_deepspec_needs(tmp_path, qwen3_target, make_drafter):
+    """A drafter this project makes is written as build_draft_config would (the target's keys copied, the DSpark
+    fields, num_anchors) and loads in transformers with every field DeepSpec's model asserts."""
+    from transformers import AutoConfig
+
+    out = save_drafter(make_drafter(qwen3_target), tmp_path / "fresh")
+    data = json.loads((out / "config.json").read_text())
+    target = qwen3_target.config.to_dict()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout", "initializer_range",
+                "use_cache", "transformers_version"):
+        assert data[key] == target[key], key
+    back = AutoConfig.from_pretrained(out)
+    for field in DEEPSPEC_REQUIRED:
+        assert hasattr(back, field), field
+    assert back.num_anchors == 512 and back.dspark_export == {"is_trained": False}

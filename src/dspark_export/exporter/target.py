@@ -93,9 +93,10 @@ def _spec_from_model(model, tap_layer_ids) -> TargetGraphSpec:
         raise ExportError(f"target hidden_act: expected one of {SUPPORTED_ACT}, found {act!r}")
     n_layers = cfg.num_hidden_layers
     taps = tuple(int(t) for t in tap_layer_ids)
-    if any(not 0 <= t < n_layers - 1 for t in taps) or list(taps) != sorted(set(taps)):
-        raise ExportError(f"tap_layer_ids: expected strictly increasing ids in [0, {n_layers - 2}] "
-                          f"(the last layer's output is post-norm in HF and never tapped), found {list(taps)}")
+    if any(not -1 <= t < n_layers - 1 for t in taps) or list(taps) != sorted(set(taps)):
+        raise ExportError(f"tap_layer_ids: expected strictly increasing ids in {{-1}} ∪ [0, {n_layers - 2}] (-1: the "
+                          f"embedding output; the last layer's output is post-norm in HF and never tapped), found "
+                          f"{list(taps)}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return TargetGraphSpec(n_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
                            cfg.hidden_size, cfg.vocab_size, cfg.max_position_embeddings, taps)
@@ -176,7 +177,7 @@ def build_target_graph(model, tap_layer_ids) -> tuple[onnx.ModelProto, TargetGra
     inv_freq, scaling = _rope(model)
     cos, sin = rope_cos_sin(b, "position_ids", inv_freq, scaling)
     ctx = {"cos": cos, "sin": sin, "unpad": _unpad_index(b)}
-    taps, new_kv = [], []
+    taps, new_kv = ([h] if -1 in spec.tap_layer_ids else []), []   # -1: the embedding output (DeepSpec)
     for i in range(spec.num_layers):
         h, k, v = _layer(b, sd, spec, i, h, ctx, eps)
         new_kv.append((k, v))

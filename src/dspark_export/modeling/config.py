@@ -5,14 +5,27 @@ The fields are those DeepSpec's ``build_draft_config`` writes to a drafter's ``c
 copied from the target; ``num_hidden_layers`` is the number of *drafter* layers; the DSpark extras
 are ``num_target_layers``, ``target_layer_ids``, ``block_size`` (γ), ``mask_token_id``,
 ``markov_rank`` (r; 0 = no Markov head), ``markov_head_type``, ``enable_confidence_head`` and
-``confidence_head_with_markov``. ``is_trained`` is this project's own field: False for a freshly
-initialised drafter (:func:`dspark_export.modeling.drafter.init_drafter`).
+``confidence_head_with_markov``, and ``num_anchors`` (training only, but DeepSpec's model asserts it).
+``is_trained`` is this project's own field: False for a freshly initialised drafter
+(:func:`dspark_export.modeling.drafter.init_drafter`); it is written under the ``dspark_export`` key, which
+DeepSpec's loader (transformers' ``AutoConfig`` then ``Qwen3DSparkModel``) keeps as an unused attribute.
+
+Round trip: DeepSpec's save path (``save_pretrained`` of a deep copy of the target's transformers config)
+writes every key of the target config besides the DSpark ones (bos/eos/pad ids, sliding-window keys,
+``attention_dropout``, ``initializer_range``, ``use_cache``, ``transformers_version``, ...). Those keys are
+kept in ``extra`` when read and written back unchanged on save; a fresh drafter takes them from its target,
+as ``build_draft_config`` does.
+
+``target_layer_ids`` may start with -1: the embedding output (the input of layer 0), as DeepSpec's
+``validate_target_layer_ids`` defines it (its eval reads ``hidden_states[0]`` for -1, ``hidden_states[l + 1]``
+otherwise).
 
 Dimension letters: H hidden size, V vocab, D head dim, m tapped target layers, F = m·H, r Markov rank.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -37,9 +50,16 @@ _IMPLEMENTED_MARKOV_HEADS = ("vanilla",)
 
 _POSITIVE_INT_FIELDS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "vocab_size", "max_position_embeddings", "num_hidden_layers", "num_target_layers", "block_size",
+    "vocab_size", "max_position_embeddings", "num_hidden_layers", "num_target_layers", "block_size", "num_anchors",
 )
 _BOOL_FIELDS = ("attention_bias", "enable_confidence_head", "confidence_head_with_markov", "is_trained")
+#: this project's own config.json keys, written under OWN_KEY (DeepSpec's loader ignores it)
+OWN_KEY = "dspark_export"
+_OWN_FIELDS = ("is_trained",)
+#: keys `to_dict` writes itself (never taken from `extra`)
+_DERIVED_KEYS = ("architectures", "rope_parameters", "tie_word_embeddings", "layer_types", OWN_KEY)
+#: DeepSpec's default for `num_anchors` (config/dspark/*.py)
+DEEPSPEC_NUM_ANCHORS = 512
 _REQUIRED_KEYS = (
     "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
     "rms_norm_eps", "vocab_size", "max_position_embeddings", "num_hidden_layers", "num_target_layers",
@@ -73,7 +93,7 @@ class DrafterConfig:
     hidden_act: str  #: only "silu" (gated SiLU MLP)
     num_hidden_layers: int  #: drafter decoder layers
     num_target_layers: int  #: L of the target
-    target_layer_ids: tuple  #: 0-based tapped target layers, strictly increasing, in [0, L-2]
+    target_layer_ids: tuple  #: tapped target layers, strictly increasing, in {-1 (embeddings)} ∪ [0, L-2]
     block_size: int  #: γ: the anchor slot plus γ-1 mask slots, γ drafts
     mask_token_id: int  #: token id fed at the γ-1 non-anchor slots
     markov_rank: int  #: r; 0 = no Markov head
@@ -81,12 +101,16 @@ class DrafterConfig:
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     is_trained: bool = False
+    num_anchors: int = DEEPSPEC_NUM_ANCHORS  #: training only: anchors sampled per sequence (DeepSpec asserts it)
+    #: the other keys of the source config.json (the copied target config), written back on save
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
     _spec: ArchitectureSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_spec", get_architecture(self.model_type))
         object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        object.__setattr__(self, "extra", dict(self.extra or {}))
         self._check_scalars()
         self._check_rope()
         self._check_dspark_fields()
@@ -120,9 +144,10 @@ class DrafterConfig:
         ids, last = self.target_layer_ids, self.num_target_layers - 1
         if not ids or any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
             raise _fail("target_layer_ids", "a non-empty sequence of ints", list(ids))
-        if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= last:
-            raise _fail("target_layer_ids", f"strictly increasing ids in [0, {last - 1}] (the last target "
-                        f"layer {last} is post-norm in HF hidden_states and is never tapped)", list(ids))
+        if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < -1 or ids[-1] >= last:
+            raise _fail("target_layer_ids", f"strictly increasing ids in {{-1}} ∪ [0, {last - 1}] (-1: the "
+                        f"embedding output; the last target layer {last} is post-norm in HF hidden_states and is "
+                        "never tapped)", list(ids))
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
             raise _fail("mask_token_id", f"an int in [0, {self.vocab_size - 1}]", self.mask_token_id)
         if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 0:
@@ -183,11 +208,12 @@ class DrafterConfig:
         """
         num_layers = target_config.num_hidden_layers
         ids = list(self.target_layer_ids)
-        if any(not 0 <= i <= num_layers - 2 for i in ids):
+        if any(not -1 <= i <= num_layers - 2 for i in ids):
             what = "includes the last target layer" if num_layers - 1 in ids else "is out of range"
             raise ConfigError(
                 f"drafter target_layer_ids {ids} {what} for a target with {num_layers} layers: expected ids "
-                f"in [0, {num_layers - 2}] (layer {num_layers - 1} is post-norm in HF hidden_states)"
+                f"in {{-1}} ∪ [0, {num_layers - 2}] (-1: the embedding output; layer {num_layers - 1} is "
+                "post-norm in HF hidden_states)"
             )
         for name, mine, theirs in (
             ("model_type", self.model_type, target_config.model_type),
@@ -206,15 +232,18 @@ class DrafterConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``config.json`` dict, in DeepSpec's layout (reference §1.1, §1.10)."""
-        out: dict[str, Any] = {"architectures": [self.architecture]}
+        """The ``config.json`` dict, in DeepSpec's layout (reference §1.1, §1.10): the ``extra`` keys as read
+        (or copied from the target), then the drafter fields, then this project's own keys under ``OWN_KEY``."""
+        out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in self.extra.items() if k not in _DERIVED_KEYS}
+        out["architectures"] = [self.architecture]
         for f in dataclasses.fields(self):
-            if f.init:
+            if f.init and f.name != "extra" and f.name not in _OWN_FIELDS:
                 value = getattr(self, f.name)
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         out["rope_parameters"] = dict(self.rope_parameters)
         out["tie_word_embeddings"] = False
         out["layer_types"] = ["full_attention"] * self.num_hidden_layers
+        out[OWN_KEY] = {name: getattr(self, name) for name in _OWN_FIELDS}
         return out
 
     @classmethod
@@ -225,8 +254,9 @@ class DrafterConfig:
         ``rope_parameters`` (transformers v5) or from top-level ``rope_theta`` (+ legacy
         ``rope_scaling``). Defaults for keys DeepSpec may omit: ``head_dim`` = H / heads,
         ``attention_bias`` = the family's default, ``hidden_act`` = "silu", ``markov_head_type`` =
-        "vanilla", ``confidence_head_with_markov`` = True, and ``is_trained`` = True (a checkpoint
-        without the field was written by DeepSpec training).
+        "vanilla", ``confidence_head_with_markov`` = True, ``num_anchors`` = 512, and ``is_trained`` = True (a
+        checkpoint without the field was written by DeepSpec training). ``is_trained`` is read from ``OWN_KEY``
+        (or, in older files, the top level). Every other key is kept in ``extra``.
 
         Raises:
             ConfigError: a required key is missing, or a value is invalid.
@@ -235,8 +265,12 @@ class DrafterConfig:
         if missing:
             raise ConfigError(f"drafter config: missing required field(s) {missing}")
         spec = get_architecture(data["model_type"])
-        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "extra"]
         kwargs = {k: data[k] for k in names if k in data and data[k] is not None}
+        own = data.get(OWN_KEY)
+        if isinstance(own, Mapping):
+            kwargs.update({k: own[k] for k in _OWN_FIELDS if k in own})
+        kwargs["extra"] = {k: copy.deepcopy(v) for k, v in data.items() if k not in names and k not in _DERIVED_KEYS}
         kwargs["rope_parameters"] = _rope_from_dict(data)
         kwargs.setdefault("head_dim", data["hidden_size"] // data["num_attention_heads"])
         kwargs.setdefault("attention_bias", bool(spec.forced_attention_bias))
@@ -258,11 +292,13 @@ class DrafterConfig:
         enable_confidence_head: bool = True,
         confidence_head_with_markov: bool = True,
         eos_token_ids: Iterable[int] | None = None,
+        num_anchors: int = DEEPSPEC_NUM_ANCHORS,
     ) -> "DrafterConfig":
         """A drafter config for ``target_config`` (an HF config), as DeepSpec ``build_draft_config``.
 
         Copies H, I, heads, kvH, D, eps, RoPE, V, max positions, attention_bias, hidden_act and
-        model_type from the target. ``target_layer_ids`` defaults to
+        model_type from the target, and keeps the target config's other keys in ``extra`` (DeepSpec's
+        ``build_draft_config`` starts from a deep copy of it). ``target_layer_ids`` defaults to
         :func:`default_target_layer_ids`; ``mask_token_id`` to :func:`default_mask_token_id` with
         ``eos_token_ids`` (default: the config's ``eos_token_id``).
 
@@ -287,7 +323,8 @@ class DrafterConfig:
             num_hidden_layers=num_draft_layers, num_target_layers=num_layers, target_layer_ids=ids,
             block_size=block_size, mask_token_id=mask_token_id, markov_rank=markov_rank,
             markov_head_type=markov_head_type, enable_confidence_head=enable_confidence_head,
-            confidence_head_with_markov=confidence_head_with_markov, is_trained=False,
+            confidence_head_with_markov=confidence_head_with_markov, is_trained=False, num_anchors=num_anchors,
+            extra=_target_extra(target_config),
         )
 
     def to_hf_config(self) -> Any:
@@ -342,6 +379,18 @@ def default_mask_token_id(target_config: Any, eos_token_ids: Iterable[int]) -> i
         if isinstance(candidate, int) and 0 <= candidate < vocab_size and candidate not in eos:
             return candidate
     return vocab_size - 1
+
+
+def _target_extra(target_config: Any) -> dict[str, Any]:
+    """The target config's keys a drafter config.json carries besides its own fields (as DeepSpec's deep copy
+    does): `to_dict` of the transformers config, minus private keys and the drafter's fields."""
+    try:
+        data = target_config.to_dict()
+    except AttributeError:
+        return {}
+    names = {f.name for f in dataclasses.fields(DrafterConfig)}
+    return {k: copy.deepcopy(v) for k, v in data.items()
+            if not k.startswith("_") and k not in names and k not in _DERIVED_KEYS}
 
 
 def _as_id_list(value: Any) -> list[int]:
