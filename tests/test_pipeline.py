@@ -301,3 +301,36 @@ def test_calibration_next_to_the_drafter_reaches_the_manifest(tiny_target_dir, t
     with pytest.raises(ConfigError, match=r"calibration.json: confidence_temperature: expected 4 finite positive"):
         build_engine_dir(BuildConfig(out=tmp_path / "eng2", target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))
     assert not (tmp_path / "eng2").exists()
+
+
+def test_imported_drafter_with_embedding_tap_drafts_exactly_by_default(tiny_target_dir, tmp_path):
+    """A drafter checkpoint brought by the user (here with DeepSpec's tap -1, the embedding output) builds with
+    `--drafter-lm-head auto` into the float32 head, so it drafts as its source; the manifest and `inspect`
+    say so; greedy speculative output equals `ar`. An int8 head on an import is the user's explicit opt-in and
+    is named as an approximation."""
+    from dspark_export.engines.inspect import inspect_engine_dir
+    from dspark_export.modeling.checkpoint import save_drafter
+    from dspark_export.modeling.config import DrafterConfig
+    from dspark_export.modeling.drafter import init_drafter
+    from dspark_export.modeling.target import load_target
+
+    target = load_target(tiny_target_dir)
+    cfg = DrafterConfig.from_target(target.config, block_size=4, markov_rank=8, target_layer_ids=(-1, 1))
+    ckpt = save_drafter(init_drafter(target, cfg, seed=1), tmp_path / "drafter")
+    out = tmp_path / "eng"
+    build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))
+    m = Manifest.load(out)
+    assert m.data["graphs"]["drafter_block"]["spec"]["lm_head_dtype"] == "float32"
+    assert m.data["graphs"]["target"]["spec"]["tap_layer_ids"] == [-1, 1]
+    assert m.data["source"]["drafter"]["approximations"] == [] and m.data["source"]["drafter"]["shipped"] is False
+    assert "drafting exact" in inspect_engine_dir(out).format_text()
+    rt = Runtime.open(out, policy="ar")
+    ar = _run(rt, "ar")
+    for a, s in zip(ar, _run(rt, "fixed:4")):
+        assert s.token_ids == a.token_ids
+    opt_in = tmp_path / "eng-int8"
+    build_engine_dir(BuildConfig(out=opt_in, target=str(tiny_target_dir), drafter=str(ckpt), drafter_lm_head="int8",
+                                 **BUCKETS))
+    approx = Manifest.load(opt_in).data["source"]["drafter"]["approximations"]
+    assert [(a["name"], a["value"]) for a in approx] == [("drafter_lm_head", "int8")]
+    assert "approximation drafter_lm_head=int8" in inspect_engine_dir(opt_in).format_text()

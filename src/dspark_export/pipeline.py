@@ -39,6 +39,33 @@ __all__ = ["BuildConfig", "BuildResult", "build_engine_dir"]
 Progress = Callable[[str], None]
 
 
+#: `build --drafter-lm-head` choices
+DRAFTER_LM_HEADS = ("auto", "int8", "float32")
+
+
+def resolve_drafter_lm_head(choice: str, drafter_source: dict) -> str:
+    """The drafter block's LM head dtype for `choice`: "auto" is float32 for an imported checkpoint (any
+    drafter folder other than the shipped one: it then drafts exactly as its source, DeepSpec included, given
+    the same target features) and int8 for the shipped drafter and a fresh one (the measured choice:
+    docs/ARCHITECTURE.md "drafter_block.onnx", LM head). "int8" / "float32" are taken as given."""
+    if choice != "auto":
+        return choice
+    imported = drafter_source.get("kind") == "checkpoint" and not drafter_source.get("shipped")
+    return "float32" if imported else "int8"
+
+
+def drafter_approximations(lm_head: str) -> list[dict]:
+    """The approximations a build applies to the drafter's drafting (recorded in the manifest's
+    source.drafter.approximations, shown by `inspect`, carried into exported profiles): each
+    {"name", "value", "effect"}; empty when the drafter drafts as its checkpoint's float32 weights do."""
+    out = []
+    if lm_head == "int8":
+        out.append({"name": "drafter_lm_head", "value": "int8",
+                    "effect": "int8 weights with per-vocabulary scales and per-row activation quantization: "
+                              "near-tied drafts can flip (output stays lossless; acceptance can differ)"})
+    return out
+
+
 @dataclass(frozen=True)
 class BuildConfig:
     """What `build` makes. CLI flags map one-to-one onto these fields.
@@ -55,8 +82,10 @@ class BuildConfig:
         profile_repeats: timed runs per bucket.
         block_size, num_draft_layers, markov_rank: shape of a fresh (untrained) drafter.
         seed: seed of a fresh drafter's initialisation.
-        drafter_lm_head: "int8" (default: the drafter block's LM head in int8, `exporter.drafter.int8_lm_head`;
-            the target keeps fp32) or "float32" (the target's head, shared).
+        drafter_lm_head: "auto" (default), "int8" (the drafter block's LM head in int8,
+            `exporter.drafter.int8_lm_head`; the target keeps fp32) or "float32" (the target's head, shared).
+            "auto" is `resolve_drafter_lm_head`: float32 for an imported checkpoint, so it drafts exactly as
+            its source, int8 for the shipped drafter and a fresh one.
         overwrite: replace an existing engine directory at `out`.
     """
 
@@ -72,7 +101,7 @@ class BuildConfig:
     num_draft_layers: int = 1
     markov_rank: int = 64
     seed: int = 0
-    drafter_lm_head: str = "int8"
+    drafter_lm_head: str = "auto"
     overwrite: bool = False
 
     def __post_init__(self):
@@ -82,8 +111,9 @@ class BuildConfig:
                 raise ConfigError(f"{name}: expected strictly increasing positive integers, found {list(b)}")
         if self.max_context < 16:
             raise ConfigError(f"max_context: expected >= 16 tokens, found {self.max_context}")
-        if self.drafter_lm_head not in ("int8", "float32"):
-            raise ConfigError(f"drafter_lm_head: expected 'int8' or 'float32', found {self.drafter_lm_head!r}")
+        if self.drafter_lm_head not in DRAFTER_LM_HEADS:
+            raise ConfigError(f"drafter_lm_head: expected one of {', '.join(DRAFTER_LM_HEADS)}, found "
+                              f"{self.drafter_lm_head!r}")
         if self.profile_repeats < 1:
             raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
         if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):
@@ -207,7 +237,13 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     seconds["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     say("exporting graphs")
-    graphs = _export_graphs(inputs, root / "graphs", cfg.drafter_lm_head)
+    lm_head = resolve_drafter_lm_head(cfg.drafter_lm_head, inputs.drafter_source)
+    approximations = drafter_approximations(lm_head)
+    inputs.drafter_source["approximations"] = approximations
+    if inputs.drafter_source.get("kind") == "checkpoint" and not inputs.drafter_source.get("shipped") and approximations:
+        say(f"note: the imported drafter runs with approximations {[a['name'] for a in approximations]} (asked "
+            "for): its drafts can differ from its source's")
+    graphs = _export_graphs(inputs, root / "graphs", lm_head)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
     _write_engines(manifest, cfg)

@@ -201,7 +201,9 @@ def _measured_on(manifest: Manifest, backend: str, rel: str, sps: SpsFile) -> di
     return {"tool": f"dspark-export {manifest.data.get('tool', {}).get('version', '?')}", "profile": rel,
             "backend": (sps.get("device") or {}).get("backend", backend), "device": sps.get("device") or {},
             "target_weights": build.get("weights") or "fp32", "drafter_lm_head": spec.get("lm_head_dtype", "float32"),
-            "drafter_approximations": list(spec.get("approximations") or []),
+            "drafter_approximations": [a.get("name") + "=" + str(a.get("value")) for a in
+                                       (manifest.data.get("source", {}).get("drafter", {}).get("approximations")
+                                        or [])],
             "block_size": int(manifest.runtime["block_size"]), "context_len": sps.get("context_len"),
             "repeats": sps.get("repeats"),
             "scope": "these engines on the machine that ran `dspark-export profile`: profile the serving engine for "

@@ -406,6 +406,11 @@ def _format(report: InspectReport) -> str:
     conf = "confidence head" if d.get("has_confidence") else "no confidence head"
     conf += f", LM head {d.get('lm_head_dtype', 'float32')}"
     out.append(f"  drafter  {trained} ({ddesc}, {conf}); target layers {d.get('target_layer_ids', '?')}")
+    approx = d.get("approximations")
+    if approx is not None:
+        out.append("  drafting " + ("; ".join(f"approximation {a.get('name')}={a.get('value')}: {a.get('effect')}"
+                                              for a in approx) if approx
+                                    else "exact (no approximation: drafts as the checkpoint's float32 weights)"))
     r = s["runtime"]
     out.append(f"  runtime  block_size {r['block_size']}, max_context {r['max_context']}, vocab {r['vocab_size']}, "
                f"eos {r['eos_token_ids']}, mask token {r.get('mask_token_id', '-')}, "

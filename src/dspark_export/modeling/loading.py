@@ -151,7 +151,9 @@ def load_build_inputs(target: str | None, drafter: str | None, *, block_size: in
             model = load_drafter(drafter, tgt)
         except (CheckpointError, ConfigError) as e:
             raise type(e)(f"drafter {drafter}: {e}" if str(drafter) not in str(e) else str(e)) from e
-        source = {"kind": "checkpoint", "path": str(drafter), "is_trained": bool(model.config.is_trained)}
+        shipped = shipped_drafter_path(str(target_path))
+        source = {"kind": "checkpoint", "path": str(drafter), "is_trained": bool(model.config.is_trained),
+                  "shipped": bool(shipped and Path(drafter).resolve() == shipped.resolve())}
         calibration = read_calibration(Path(drafter), model.config.block_size)
         if calibration is not None:
             source["confidence_temperature"] = calibration
