@@ -164,7 +164,7 @@ def _calibration(manifest: Manifest) -> dict:
             calibration.json written before `fit_calibration`): exporting its temperatures without the biases
             would hand the consumer a fit that was never scored.
     """
-    from ..training.calibration import temperature_only
+    from ..modeling.loading import temperature_only
 
     cal = manifest.calibration() or {}
     fit = temperature_only(cal) if cal else None

@@ -227,6 +227,11 @@ def _calibration(manifest: Manifest) -> dict:
                    ece_before=cal.get("ece_before"), ece_after=cal.get("ece_after"),
                    mean_ece_before=cal.get("mean_ece_before"), mean_ece_after=cal.get("mean_ece_after"),
                    reliability_bins=bool(cal.get("reliability")))
+        from ..modeling.loading import temperature_only
+
+        plain = temperature_only(cal)
+        out["temperature_only"] = ({"temperatures": plain.get("confidence_temperature"),
+                                    "mean_ece_after": plain.get("mean_ece_after")} if plain else None)
     return out
 
 
@@ -473,6 +478,11 @@ def _format(report: InspectReport) -> str:
             line += (f"; {c['path']} ({c.get('method') or '?'}, {c.get('rounds') or '?'} rounds{ece}"
                      f"{', reliability bins' if c.get('reliability_bins') else ''})")
         out.append(line)
+        plain = c.get("temperature_only")
+        if c.get("path") and any(c.get("biases") or []):
+            out.append("  for sigmoid(z/T) servers (export-profile): " + (
+                f"temperature-only STS {plain['temperatures']}, mean ECE {plain['mean_ece_after']}" if plain
+                else "no temperature-only fit recorded (re-run scripts/train_drafter.py calibrate)"))
     rep = s.get("report")
     out.append(f"report     {rep['path']}" if rep else "report     none (dspark-export report DIR writes one)")
     out.append("tokenizer  " + ", ".join(f"{t['path'].removeprefix('tokenizer/')} ({_size(t['bytes'])})"

@@ -85,6 +85,26 @@ def read_calibration(folder: Path, block_size: int) -> list[float] | None:
     return [float(t) for t in temps]
 
 
+#: the fields of a temperature-only fit kept in calibration.json's ``temperature_only`` entry
+TEMPERATURE_ONLY_FIELDS = ("confidence_temperature", "ece_before", "ece_after", "mean_ece_before", "mean_ece_after",
+                           "rounds", "bins")
+
+
+def temperature_only(calibration: dict) -> dict | None:
+    """The temperature-only STS fit of a calibration.json dict (σ(z/T), no bias; written by
+    `training.calibration.fit_calibration`), or None when the file has none.
+
+    A file without a ``temperature_only`` entry whose biases are all 0 (or absent) is itself a temperature-only
+    fit; one with non-zero biases and no entry (written before `fit_calibration`) has none.
+    """
+    entry = calibration.get("temperature_only")
+    if isinstance(entry, dict) and "confidence_temperature" in entry:
+        return entry
+    if not any(float(b) for b in calibration.get("confidence_bias") or []) and "confidence_temperature" in calibration:
+        return {k: calibration.get(k) for k in TEMPERATURE_ONLY_FIELDS}
+    return None
+
+
 def read_calibration_bias(folder: Path, block_size: int) -> list[float] | None:
     """Per-position confidence biases b_k from ``<drafter>/calibration.json`` (this project's addition to
     STS, `training.calibration`), or None when the file or its ``confidence_bias`` field is absent

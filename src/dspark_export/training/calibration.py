@@ -33,6 +33,7 @@ import torch
 
 from ..modeling.drafter import DSparkDrafter
 from .features import FeatureCache
+from ..modeling.loading import TEMPERATURE_ONLY_FIELDS, temperature_only  # noqa: F401 (re-exported)
 from .objective import TrainBatch, block_forward
 
 __all__ = ["Rounds", "replay_rounds", "expected_calibration_error", "fit_sts", "fit_calibration", "survival",
@@ -179,11 +180,6 @@ def fit_sts(rounds: Rounds, grid=DEFAULT_GRID, bins: int = 20, bias_grid=DEFAULT
             "mean_ece_after": round(float(np.mean(ece_after)), 5), "rounds": int(len(z)), "bins": bins}
 
 
-#: the fields of a temperature-only fit kept in calibration.json's ``temperature_only`` entry
-TEMPERATURE_ONLY_FIELDS = ("confidence_temperature", "ece_before", "ece_after", "mean_ece_before", "mean_ece_after",
-                           "rounds", "bins")
-
-
 def fit_calibration(rounds: Rounds, grid=DEFAULT_GRID, bins: int = 20, bias_grid=DEFAULT_BIAS_GRID) -> dict:
     """Both fits on the same rounds: temperature + bias per position (what this project's runtime applies)
     and the paper's temperature-only STS (what σ(z/T) consumers apply), each with its own ECE.
@@ -197,20 +193,6 @@ def fit_calibration(rounds: Rounds, grid=DEFAULT_GRID, bins: int = 20, bias_grid
     plain = fit_sts(rounds, grid, bins, (0.0,))
     fit["temperature_only"] = {k: plain[k] for k in TEMPERATURE_ONLY_FIELDS}
     return fit
-
-
-def temperature_only(calibration: dict) -> dict | None:
-    """The temperature-only STS fit of a calibration.json (σ(z/T), no bias), or None when the file has none.
-
-    A file without a ``temperature_only`` entry whose biases are all 0 (or absent) is itself a temperature-only
-    fit; one with non-zero biases and no entry (written before `fit_calibration`) has none.
-    """
-    entry = calibration.get("temperature_only")
-    if isinstance(entry, dict) and "confidence_temperature" in entry:
-        return entry
-    if not any(float(b) for b in calibration.get("confidence_bias") or []) and "confidence_temperature" in calibration:
-        return {k: calibration.get(k) for k in TEMPERATURE_ONLY_FIELDS}
-    return None
 
 
 def reliability_bins(rounds: Rounds, temperatures, bins: int = 20, biases=None) -> dict:

@@ -75,7 +75,7 @@ def drafter_config_for(target, cfg: TrainConfig) -> DrafterConfig:
     return DrafterConfig.from_target(
         target.config, num_draft_layers=cfg.num_draft_layers, target_layer_ids=cfg.target_layer_ids,
         block_size=cfg.block_size, markov_rank=cfg.markov_rank if dspark else 0,
-        enable_confidence_head=dspark, confidence_head_with_markov=dspark)
+        enable_confidence_head=dspark, confidence_head_with_markov=dspark, num_anchors=cfg.anchors_per_seq)
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
