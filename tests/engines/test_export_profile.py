@@ -162,6 +162,11 @@ def test_a_biased_calibration_without_a_temperature_only_fit_is_refused(calibrat
     with pytest.raises(ConfigError, match=r"calibration.json: temperature_only: no temperature-only STS fit"):
         export_profile(engine_dir, "sglang", tmp_path / "s")
     assert not (tmp_path / "s").exists()
+    with pytest.raises(ConfigError, match="temperature_only"):
+        export_profile(engine_dir, "trtllm", tmp_path / "t")
+    export_profile(engine_dir, "generic", tmp_path / "g")      # our own file keeps the engine's fit, says none
+    gen = json.loads((tmp_path / "g" / "dspark_profile.json").read_text())
+    assert gen["confidence_bias"] == fit["confidence_bias"] and gen["temperature_only"]["temperatures"] is None
 
 
 # -- schema: the fields each consumer's own loader reads (SGLang dspark_sps.py / dspark_sts.py, msgspec structs;
