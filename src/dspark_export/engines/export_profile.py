@@ -2,7 +2,7 @@
 calibration in the file formats that serving engines with DSpark support read as they are.
 
 Formats, confirmed in each consumer's own loading code (read, not copied; the files and commits are the
-ones the note in docs/ARCHITECTURE.md "Interop" names; re-check when upgrading):
+ones docs/ARCHITECTURE.md "Exporting the profile for serving engines" names; re-check when upgrading):
 
 - ``sglang`` (sgl-project/sglang, ``python/sglang/srt/speculative/dspark_components/``: ``dspark_sps.py``
   @ 45b76f55, ``dspark_sts.py`` @ 9e16e2d0, ``dspark_planner.py`` @ 00c3cffa; msgspec structs, unknown keys
