@@ -321,3 +321,12 @@ def test_gguf_type_we_cannot_dequantize_is_named(tmp_path):
     w.close()
     with pytest.raises(ConfigError, match=r"'token_embd.weight'.*Q8_1.*Q8_0"):
         load_target(path)
+
+
+def test_tensorrt_lowering_refuses_a_quantized_graph_by_name(tiny_llama):
+    from dspark_export.engines.trt.lowering import lower_model
+    from dspark_export.errors import BuildError
+
+    proto, _ = build_target_graph(tiny_llama, TAPS, "int4")
+    with pytest.raises(BuildError, match=r"MatMulNBits.*--weights fp32"):
+        lower_model(proto, "target")
