@@ -86,7 +86,7 @@ def breakdown(path: Path, context: int, threads: int, runs: int) -> dict:
     import onnxruntime as ort
 
     from dspark_export.engines.manifest import Manifest
-    from dspark_export.engines.onnxruntime import WeightStore, session_options
+    from dspark_export.engines.ort.runner import WeightStore, session_options
     from dspark_export.engines.profiler import engine_feed
 
     manifest = Manifest.load(path, verify=False)
