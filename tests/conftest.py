@@ -125,10 +125,13 @@ def fake_tensorrt(monkeypatch):
 def build_tiny_engine_dir(tiny_target_dir, tmp_path_factory):
     """Factory: `build_tiny_engine_dir(name, **build)` builds the tiny Llama (`tiny_target_dir`) with an
     untrained drafter into a fresh `<tmp>/<name>/tiny` engine directory; `build` are BuildConfig fields
-    (buckets, max_context, block_size, ...)."""
+    (buckets, max_context, block_size, ...). Weights are fp32 unless `weights` is given (tests that hold the
+    engines to transformers' outputs or lower them for TensorRT need the float graph; the quantized formats
+    have their own tests in tests/exporter/test_quantize.py)."""
     from dspark_export.pipeline import BuildConfig, build_engine_dir
 
     def build(name: str, **config):
+        config.setdefault("weights", "fp32")
         out = tmp_path_factory.mktemp(name) / "tiny"
         build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter="untrained", **config))
         return out

@@ -103,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
                         "own logits are what verification uses, so output is unchanged, but near-tied drafts can "
                         "differ) or float32, the target's own head shared. auto (default): float32 for a --drafter "
                         "checkpoint you bring (drafts exactly as its source), int8 for the shipped drafter")
+    b.add_argument("--weights", choices=("int4", "int8", "fp32"), default=None,
+                   help="the target's weights: int4 / int8 block-quantized (ONNX Runtime MatMulNBits, block 32; "
+                        "linear layers, LM head and embedding) or fp32 (default: int4, the fastest in "
+                        "reports/quant/quant.md; fp32 with an imported DeepSpec --drafter)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
 
     g = sub.add_parser("generate", help="generate text with speculative decoding",
@@ -226,7 +230,8 @@ def cmd_build(args) -> int:
     cfg = BuildConfig(out=args.out, target=args.target, drafter=args.drafter, target_buckets=args.target_buckets,
                       request_buckets=args.request_buckets, max_context=args.max_context,
                       profile_context=args.profile_context, profile_repeats=args.profile_repeats,
-                      seed=args.seed, drafter_lm_head=args.drafter_lm_head, overwrite=args.overwrite)
+                      seed=args.seed, drafter_lm_head=args.drafter_lm_head, overwrite=args.overwrite,
+                      weights=args.weights)
     result = build_engine_dir(cfg, progress=_progress)
     _progress(f"built {result.out} ({result.size_bytes / 2**20:.0f} MiB)")
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,

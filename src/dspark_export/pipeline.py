@@ -7,6 +7,7 @@ directory that loads as complete.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from .engines.profiler import measure_profile
 from .engines.sps import SPS_PATH, encode_sps, write_sps
 from .errors import BuildError, ConfigError, ProfileError
 from .exporter.drafter import export_drafter
+from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat
 from .exporter.target import export_target
 from .exporter.verify import export_verify
 
@@ -83,9 +85,11 @@ class BuildConfig:
         block_size, num_draft_layers, markov_rank: shape of a fresh (untrained) drafter.
         seed: seed of a fresh drafter's initialisation.
         drafter_lm_head: "auto" (default), "int8" (the drafter block's LM head in int8,
-            `exporter.drafter.int8_lm_head`; the target keeps fp32) or "float32" (the target's head, shared).
+            `exporter.drafter.int8_lm_head`) or "float32" (the target's head, shared).
             "auto" is `resolve_drafter_lm_head`: float32 for an imported checkpoint, so it drafts exactly as
             its source, int8 for the shipped drafter and a fresh one.
+        weights: the target's weight format, "int4", "int8" or "fp32" (exporter/quantize.py); None =
+            `quantize.DEFAULT_WEIGHTS`, except fp32 with an imported DeepSpec drafter (`resolved_weights`).
         overwrite: replace an existing engine directory at `out`.
     """
 
@@ -103,6 +107,7 @@ class BuildConfig:
     seed: int = 0
     drafter_lm_head: str = "auto"
     overwrite: bool = False
+    weights: str | None = None
 
     def __post_init__(self):
         for name in ("target_buckets", "request_buckets"):
@@ -114,6 +119,8 @@ class BuildConfig:
         if self.drafter_lm_head not in DRAFTER_LM_HEADS:
             raise ConfigError(f"drafter_lm_head: expected one of {', '.join(DRAFTER_LM_HEADS)}, found "
                               f"{self.drafter_lm_head!r}")
+        if self.weights is not None:
+            WeightFormat(self.weights)  # raises ConfigError naming the formats
         if self.profile_repeats < 1:
             raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
         if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):
@@ -122,6 +129,16 @@ class BuildConfig:
         if self.target_buckets[-1] < self.block_size + 1:
             raise ConfigError(f"target_buckets: the largest bucket must hold one verification of "
                               f"block_size+1 = {self.block_size + 1} tokens, found {self.target_buckets[-1]}")
+
+
+def resolved_weights(cfg: BuildConfig) -> str:
+    """The target's weight format `cfg` builds: `cfg.weights` when given; else fp32 with an imported DeepSpec
+    drafter (its drafts are exact given the same target features, so the target stays as trained), else
+    `DEFAULT_WEIGHTS`."""
+    if cfg.weights is not None:
+        return cfg.weights
+    imported = cfg.drafter is not None and cfg.drafter != "untrained"
+    return "fp32" if imported else DEFAULT_WEIGHTS
 
 
 @dataclass
@@ -236,19 +253,22 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
                           f"found {cfg.max_context}")
     seconds["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    say("exporting graphs")
+    weights = resolved_weights(cfg)
+    say(f"exporting graphs (target weights {weights})")
     lm_head = resolve_drafter_lm_head(cfg.drafter_lm_head, inputs.drafter_source)
     approximations = drafter_approximations(lm_head)
     inputs.drafter_source["approximations"] = approximations
     if inputs.drafter_source.get("kind") == "checkpoint" and not inputs.drafter_source.get("shipped") and approximations:
         say(f"note: the imported drafter runs with approximations {[a['name'] for a in approximations]} (asked "
             "for): its drafts can differ from its source's")
-    graphs = _export_graphs(inputs, root / "graphs", lm_head)
+    graphs = _export_graphs(inputs, root / "graphs", lm_head, weights)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
     _write_engines(manifest, cfg)
     inputs.save_tokenizer(root / "tokenizer")
     _copy_calibration(inputs.drafter_source, manifest)
+    del inputs  # the PyTorch models (~1 GB for SmolLM2) are not needed to profile the engines: peak RSS
+    gc.collect()
     manifest.record_files(_all_files(root))  # before profiling: EngineSet verifies what it loads
     t0 = time.perf_counter()
     engines = EngineSet(manifest)
@@ -303,13 +323,14 @@ def _write_report(manifest: Manifest) -> None:
                     manifest.root)
 
 
-def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str) -> dict:
+def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str = "fp32") -> dict:
     graph_dir.mkdir(parents=True, exist_ok=True)
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
-                                    graph_dir / "target.onnx")
+                                    graph_dir / "target.onnx", weights)
     embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
     d_files, d_spec = export_drafter(inputs.drafter, inputs.rope, graph_dir, target_embed=embed,
-                                     target_graph=t_files[0], lm_head_dtype=drafter_lm_head)
+                                     target_graph=t_files[0], lm_head_dtype=drafter_lm_head,
+                                     target_weights=weights)
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
     rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731
     entry = lambda files, spec: {"path": rel(files[0]), "data": rel(files[1]) if len(files) > 1 else None,  # noqa: E731
@@ -361,7 +382,8 @@ def _manifest_data(cfg: BuildConfig, inputs, graphs: dict) -> dict:
             "sampling_defaults": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 128},
             "chat_template": inputs.has_chat_template,
         },
-        "build_config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "build_config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+                         "weights": resolved_weights(cfg)},
         "engines": [],
         "files": {},
     }

@@ -121,9 +121,50 @@ def save_model(model: onnx.ModelProto, path: Path, share_from: Path | None = Non
         os.remove(data_path)  # onnx appends to an existing data file
     if share_from is not None:
         _point_to_shared(model, Path(share_from))
+    views = _take_views(model)
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data_name, size_threshold=1024)
+    if views:
+        _add_views(model, views)
+        onnx.save_model(model, str(path))  # the graph only: every tensor already points into the data file
     return [path, data_path] if data_path.exists() else [path]
+
+
+def _take_views(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, str]]:
+    """Remove the initializers that are views of another's bytes (doc_string `quantize.VIEW_DOC` + source
+    name, e.g. a quantized embedding read by GatherBlockQuantized over the LM head's MatMulNBits weight),
+    so the data file holds those bytes once. Views already pointing into a shared file stay."""
+    from .quantize import VIEW_DOC
+
+    views, keep = [], []
+    for init in model.graph.initializer:
+        if init.doc_string.startswith(VIEW_DOC) and init.HasField("raw_data"):
+            views.append((init, init.doc_string[len(VIEW_DOC):]))
+        else:
+            keep.append(init)
+    if views:
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+    return views
+
+
+def _add_views(model: onnx.ModelProto, views: list[tuple[onnx.TensorProto, str]]) -> None:
+    """Put each view back as an external tensor over its source's bytes (same location, offset, length)."""
+    by_name = {t.name: t for t in model.graph.initializer}
+    for view, source in views:
+        src = by_name[source]
+        if src.data_location != onnx.TensorProto.EXTERNAL:  # a source under the size threshold stays inline
+            model.graph.initializer.append(view)
+            continue
+        if len(view.raw_data) != int(np.prod(src.dims)) * np.dtype(
+                onnx.helper.tensor_dtype_to_np_dtype(src.data_type)).itemsize:
+            raise ValueError(f"view {view.name!r} is not the size of its source {source!r}")
+        view.ClearField("raw_data")
+        view.data_location = onnx.TensorProto.EXTERNAL
+        del view.external_data[:]
+        for entry in src.external_data:
+            view.external_data.add(key=entry.key, value=entry.value)
+        model.graph.initializer.append(view)
 
 
 def _point_to_shared(model: onnx.ModelProto, other: Path) -> None:

@@ -320,7 +320,8 @@ def build_drafter_graphs(drafter, rope, target_embed=None, lm_head_dtype: str = 
 
 
 def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
-                   target_graph: Path | None = None, lm_head_dtype: str = "float32") -> tuple[list[Path], DrafterGraphSpec]:
+                   target_graph: Path | None = None, lm_head_dtype: str = "float32",
+                   target_weights: str = "fp32") -> tuple[list[Path], DrafterGraphSpec]:
     """Write drafter_context.onnx and drafter_block.onnx (+ .data) into `out_dir`.
 
     Args:
@@ -331,8 +332,14 @@ def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
         target_graph: the saved target.onnx in `out_dir`; shared weights then point into its data
             file instead of being written twice.
         lm_head_dtype: "float32" (the target's head, shared) or "int8" (`int8_lm_head`).
+        target_weights: the target's weight format; when quantized, the block embeds its tokens from the
+            target's quantized table (`quantize.share_quantized_embedding`) instead of a float copy.
     """
     ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed, lm_head_dtype)
+    if target_embed is not None:
+        from .quantize import WeightFormat, share_quantized_embedding
+
+        block = share_quantized_embedding(block, TARGET_EMBED, target_embed, WeightFormat(target_weights))
     out_dir = Path(out_dir)
     files = save_model(ctx, out_dir / "drafter_context.onnx", target_graph)
     files += save_model(block, out_dir / "drafter_block.onnx", target_graph)

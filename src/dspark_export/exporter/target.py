@@ -36,8 +36,9 @@ import onnx
 import torch
 
 from ..errors import ExportError
-from .builder import (GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
+from .builder import (NEG_INF, GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
                       swiglu_mlp, two_part_attention)
+from .quantize import MS_DOMAIN, WeightFormat, gather_block_quantized, matmul_nbits
 
 __all__ = ["TargetGraphSpec", "build_target_graph", "export_target", "target_io_contract"]
 
@@ -56,6 +57,7 @@ class TargetGraphSpec:
     vocab_size: int
     max_position_embeddings: int
     tap_layer_ids: tuple[int, ...]
+    weights: str = "fp32"  #: weight format (exporter/quantize.py: "fp32", "int4", "int8")
 
     @property
     def feature_size(self) -> int:
@@ -86,7 +88,7 @@ def target_io_contract(spec: TargetGraphSpec) -> dict[str, list[tuple[str, tuple
     return {"inputs": inputs, "outputs": outputs}
 
 
-def _spec_from_model(model, tap_layer_ids) -> TargetGraphSpec:
+def _spec_from_model(model, tap_layer_ids, weights: str = "fp32") -> TargetGraphSpec:
     cfg = model.config
     act = getattr(cfg, "hidden_act", "silu")
     if act not in SUPPORTED_ACT:
@@ -99,7 +101,7 @@ def _spec_from_model(model, tap_layer_ids) -> TargetGraphSpec:
                           f"{list(taps)}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return TargetGraphSpec(n_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
-                           cfg.hidden_size, cfg.vocab_size, cfg.max_position_embeddings, taps)
+                           cfg.hidden_size, cfg.vocab_size, cfg.max_position_embeddings, taps, weights)
 
 
 def _rope(model) -> tuple[np.ndarray, float]:
@@ -155,23 +157,33 @@ def _layer(b, sd, spec: TargetGraphSpec, i: int, h: str, ctx: dict, eps: float) 
     return h, proj["k"], proj["v"]
 
 
-def build_target_graph(model, tap_layer_ids) -> tuple[onnx.ModelProto, TargetGraphSpec]:
-    """Build the target graph from a transformers causal LM (fp32).
+def build_target_graph(model, tap_layer_ids, weights: str = "fp32",
+                       fused: bool | None = None) -> tuple[onnx.ModelProto, TargetGraphSpec]:
+    """Build the target graph from a transformers causal LM.
 
     Args:
         model: a `LlamaForCausalLM`/`Qwen2ForCausalLM`/`Qwen3ForCausalLM` (any dtype; weights are cast to fp32).
         tap_layer_ids: decoder layers whose raw outputs form `aux_hidden`, in order.
+        weights: "fp32", "int4" or "int8" (exporter/quantize.py): the linear layers, LM head and embedding.
+        fused: build the fused form (`_build_fused`: ONNX Runtime contrib ops, fewer nodes per layer).
+            None = fused exactly when quantized, so the fp32 graph stays standard ONNX (the TensorRT path).
     Returns:
         (onnx.ModelProto, TargetGraphSpec).
     Raises:
         ExportError: unsupported activation or invalid taps.
+        ConfigError: an unknown weight format.
     """
-    spec = _spec_from_model(model, tap_layer_ids)
+    fmt = WeightFormat(weights)
+    spec = _spec_from_model(model, tap_layer_ids, fmt.name)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     eps = float(model.config.rms_norm_eps)
     b = GraphBuilder("target")
     for name, shape, dtype in target_io_contract(spec)["inputs"]:
         b.input(name, dtype, shape)
+    if fmt.quantized or fused:
+        if fused is False:
+            raise ExportError(f"target graph: weights {fmt.name} need the fused graph (MatMulNBits is a contrib op)")
+        return _build_fused(b, model, spec, sd, eps, fmt), spec
     embed = b.weight("model.embed_tokens.weight", sd["model.embed_tokens.weight"])
     h = b.op("Gather", [embed, "input_ids"], "embed_tokens", axis=0)
     inv_freq, scaling = _rope(model)
@@ -197,8 +209,190 @@ def build_target_graph(model, tap_layer_ids) -> tuple[onnx.ModelProto, TargetGra
     return b.model(doc="dspark-export target graph (docs/ARCHITECTURE.md: target.onnx)"), spec
 
 
-def export_target(model, tap_layer_ids, path: Path) -> tuple[list[Path], TargetGraphSpec]:
-    """Build the target graph and write it to `path` (+ `path`.data). Returns (files, spec)."""
+def export_target(model, tap_layer_ids, path: Path, weights: str = "fp32") -> tuple[list[Path], TargetGraphSpec]:
+    """Build the target graph in weight format `weights`, write it to `path` (+ `path`.data); returns (files, spec)."""
     with torch.no_grad():
-        proto, spec = build_target_graph(model, tap_layer_ids)
+        proto, spec = build_target_graph(model, tap_layer_ids, weights)
     return save_model(proto, path), spec
+
+
+# -- the fused graph ---------------------------------------------------------------------------------
+# Same I/O contract, fewer nodes: the residual stream is [1, N, H] (ONNX Runtime's contrib ops want a
+# batch axis), RMSNorm + residual add is one SkipSimplifiedLayerNormalization, RoPE one RotaryEmbedding per
+# q and k over a [max_position_embeddings, D/2] table, q/k/v one projection + Split, gate/up one + Split,
+# SiLU one QuickGelu (alpha 1), the attention's masks, shapes and split sizes are computed once for every
+# layer, the 1/√D scale rides on FusedMatMul's alpha, and outputs are written by their last node (no
+# Identity). Attention stays the two-part ragged softmax of `builder.two_part_attention` (per-request
+# past lengths; ONNX Runtime's GroupQueryAttention/MultiHeadAttention take neither a packed ragged batch
+# with per-request past lengths nor a cache read in place).
+
+def _to_output(b: GraphBuilder, op_type: str, inputs: list[str], output: str, dims: list, name: str,
+               domain: str = "", **attrs) -> str:
+    """A node whose only output is the graph output `output` (float32, `dims`)."""
+    b.nodes.append(onnx.helper.make_node(op_type, inputs, [output], name=f"/{b.name}/{name}/{op_type}",
+                                         domain=domain, **attrs))
+    b.outputs.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, dims))
+    return output
+
+
+def _skip_rms_norm(b: GraphBuilder, h: str, delta: str, weight: str, eps: float, name: str) -> tuple[str, str]:
+    """(rms_norm(h + delta) · w, h + delta) in one SkipSimplifiedLayerNormalization node."""
+    node = f"/{b.name}/{name}/SkipSimplifiedLayerNormalization"
+    out, total = f"{node}/output_0", f"{node}/output_3"
+    b.nodes.append(onnx.helper.make_node("SkipSimplifiedLayerNormalization", [h, delta, weight],
+                                         [out, "", "", total], name=node, domain=MS_DOMAIN, epsilon=eps))
+    return out, total
+
+
+def _project(b, x: str, fmt: WeightFormat, weight_name: str, weight: np.ndarray, name: str,
+             bias: np.ndarray | None = None, bias_name: str | None = None) -> str:
+    if fmt.quantized:
+        return matmul_nbits(b, x, weight_name, weight, fmt, name, bias, bias_name)
+    return linear(b, x, weight_name, weight, name, bias, bias_name)
+
+
+def _rope_tables(inv_freq: np.ndarray, scaling: float, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_pos, D/2] float32 of angle pos·inv_freq (the product rounded to float32 as the
+    unfused graph computes it; cos/sin in float64, then rounded), times the attention scaling."""
+    angle = np.arange(max_pos, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    angle = angle.astype(np.float64)
+    return ((np.cos(angle) * scaling).astype(np.float32), (np.sin(angle) * scaling).astype(np.float32))
+
+
+def _attention_context(b: GraphBuilder, spec: TargetGraphSpec) -> dict:
+    """Masks and shapes every layer's attention shares (computed once per pass)."""
+    nkv, g, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
+    n = "attn_shared"
+    rq = b.op("Shape", ["pad_index"], n)                                       # [R, Q]
+    r_dim = b.op("Slice", [rq, b.const([0]), b.const([1])], n)
+    q_dim = b.op("Slice", [rq, b.const([1]), b.const([2])], n)
+    p_dim = b.op("Slice", [b.op("Shape", ["past_key.0"], n), b.const([2]), b.const([3])], n)
+    zero, neg = b.const(0.0, "float32"), b.const(NEG_INF, "float32")
+    p_idx = b.op("Range", [b.const(0), b.op("Squeeze", [p_dim, b.const([0])], n), b.const(1)], n)
+    lens = b.op("Reshape", ["cache_lens", b.const([-1, 1, 1, 1])], n)
+    past_bias = b.op("Where", [b.op("Less", [p_idx, lens], n), zero, neg], n)    # [R,1,1,P]
+    q_scalar = b.op("Squeeze", [q_dim, b.const([0])], n)
+    rows = b.op("Range", [b.const(0), b.op("Mul", [q_scalar, b.const(g)], n), b.const(1)], n)
+    i = b.op("Unsqueeze", [b.op("Mod", [rows, q_scalar], n), b.const([1])], n)  # [G·Q, 1] query offset
+    j = b.op("Range", [b.const(0), q_scalar, b.const(1)], n)                     # [Q]
+    causal_bias = b.op("Where", [b.op("LessOrEqual", [j, i], n), zero, neg], n)  # [G·Q, Q]
+    return {
+        "q5": b.op("Concat", [rq, b.const([nkv, g, d])], n, axis=0),             # [R,Q,kvH,G,D]
+        "kv4": b.op("Concat", [rq, b.const([nkv, d])], n, axis=0),               # [R,Q,kvH,D]
+        "qg": b.op("Concat", [r_dim, b.const([nkv, -1, d])], n, axis=0),         # [R,kvH,G·Q,D]
+        "split": b.op("Concat", [p_dim, q_dim], n, axis=0),                      # [P, Q]
+        "past_bias": past_bias, "causal_bias": causal_bias,
+        "unpad": b.op("Unsqueeze", [_unpad_index(b), b.const([0])], n),         # [1, N]
+    }
+
+
+def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: str, layer: int, actx: dict,
+                     name: str) -> str:
+    """Two-part ragged attention (`builder.two_part_attention`) of q [1,N,nH·D], k, v [1,N,kvH·D] -> [1,N,nH·D]."""
+    nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    g = nh // nkv
+    pad = lambda t: b.op("Gather", [t, "pad_index"], name, axis=1)  # noqa: E731  [1,R,Q,·]
+    q5 = b.op("Transpose", [b.op("Reshape", [pad(q), actx["q5"]], name)], name, perm=[0, 2, 3, 1, 4])
+    qg = b.op("Reshape", [q5, actx["qg"]], name)                                    # [R,kvH,G·Q,D]
+    kp = b.op("Transpose", [b.op("Reshape", [pad(k), actx["kv4"]], name)], name, perm=[0, 2, 1, 3])
+    vp = b.op("Transpose", [b.op("Reshape", [pad(v), actx["kv4"]], name)], name, perm=[0, 2, 1, 3])
+    scale = float(d ** -0.5)
+    s_past = b.op("FusedMatMul", [qg, f"past_key.{layer}"], name, domain=MS_DOMAIN, transB=1, alpha=scale)
+    s_new = b.op("FusedMatMul", [qg, kp], name, domain=MS_DOMAIN, transB=1, alpha=scale)
+    s_past = b.op("Add", [s_past, actx["past_bias"]], name)
+    s_new = b.op("Add", [s_new, actx["causal_bias"]], name)
+    probs = b.op("Softmax", [b.op("Concat", [s_past, s_new], name, axis=-1)], name, axis=-1)
+    p_past, p_new = b.op("Split", [probs, actx["split"]], name, num_outputs=2, axis=-1)
+    out = b.op("Add", [b.op("MatMul", [p_past, f"past_value.{layer}"], name), b.op("MatMul", [p_new, vp], name)],
+               name)                                                               # [R,kvH,G·Q,D]
+    out = b.op("Reshape", [out, b.const([0, nkv, g, -1, d])], name)
+    out = b.op("Transpose", [out], name, perm=[0, 3, 1, 2, 4])                      # [R,Q,kvH,G,D]
+    out = b.op("Reshape", [out, b.const([-1, nh * d])], name)
+    return b.op("Gather", [out, actx["unpad"]], f"{name}/unpad", axis=0)            # [1,N,nH·D]
+
+
+def _head_norm(b, y: str, sd: dict, key: str, heads: int, d: int, eps: float, name: str) -> str:
+    """Qwen3's per-head RMSNorm of y [1,N,heads·D]."""
+    y = b.op("Reshape", [y, b.const([1, -1, heads, d])], name)
+    y = rms_norm(b, y, b.weight(key, sd[key]), eps, name)
+    return b.op("Reshape", [y, b.const([1, -1, heads * d])], name)
+
+
+def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: float,
+                 fmt: WeightFormat) -> onnx.ModelProto:
+    """The fused target graph (see the comment above `_to_output`), weights in `fmt`."""
+    b.opsets[MS_DOMAIN] = 1
+    nh, nkv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+    ids = b.op("Unsqueeze", ["input_ids", b.const([0])], "embed_tokens")
+    embed_key = "model.embed_tokens.weight"
+    if fmt.quantized:
+        h = gather_block_quantized(b, embed_key, sd[embed_key], ids, fmt, "embed_tokens")
+    else:
+        h = b.op("Gather", [b.weight(embed_key, sd[embed_key]), ids], "embed_tokens", axis=0)
+    pos = b.op("Unsqueeze", ["position_ids", b.const([0])], "rope")
+    inv_freq, scaling = _rope(model)
+    cos, sin = _rope_tables(inv_freq, scaling, spec.max_position_embeddings)
+    cos, sin = b.weight("rope.cos_cache", cos), b.weight("rope.sin_cache", sin)
+    actx = _attention_context(b, spec)
+    taps, delta = [], None
+    for i in range(spec.num_layers):
+        p, name = f"model.layers.{i}", f"layers.{i}"
+        w_in = b.weight(f"{p}.input_layernorm.weight", sd[f"{p}.input_layernorm.weight"])
+        if delta is None:
+            x = rms_norm(b, h, w_in, eps, f"{name}/input_layernorm")
+        else:
+            x, h = _skip_rms_norm(b, h, delta, w_in, eps, f"{name}/input_layernorm")
+            if i - 1 in spec.tap_layer_ids:
+                taps.append(h)
+        a = f"{p}.self_attn"
+        w_qkv = np.concatenate([sd[f"{a}.{t}_proj.weight"] for t in "qkv"], axis=0)
+        biases = [sd.get(f"{a}.{t}_proj.bias") for t in "qkv"]
+        bias = np.concatenate(biases) if all(x_ is not None for x_ in biases) else None
+        if bias is None and any(x_ is not None for x_ in biases):
+            raise ExportError(f"{a}: expected a bias on all of q/k/v_proj or none")
+        qkv = _project(b, x, fmt, f"{a}.qkv_proj.weight", w_qkv, f"{name}/attn/qkv_proj", bias, f"{a}.qkv_proj.bias")
+        q, k, v = b.op("Split", [qkv, b.const([nh * d, nkv * d, nkv * d])], f"{name}/attn/qkv_split",
+                       num_outputs=3, axis=-1)
+        if f"{a}.q_norm.weight" in sd:
+            q = _head_norm(b, q, sd, f"{a}.q_norm.weight", nh, d, eps, f"{name}/attn/q_norm")
+            k = _head_norm(b, k, sd, f"{a}.k_norm.weight", nkv, d, eps, f"{name}/attn/k_norm")
+        q = b.op("RotaryEmbedding", [q, pos, cos, sin], f"{name}/attn/q_rope", domain=MS_DOMAIN)
+        k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
+        _to_output(b, "Reshape", [k, b.const([-1, nkv, d])], f"new_key.{i}", ["N", nkv, d], f"{name}/new_key")
+        _to_output(b, "Reshape", [v, b.const([-1, nkv, d])], f"new_value.{i}", ["N", nkv, d], f"{name}/new_value")
+        attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn")
+        o_key = f"{a}.o_proj"
+        attn = _project(b, attn, fmt, f"{o_key}.weight", sd[f"{o_key}.weight"], f"{name}/attn/o_proj",
+                        sd.get(f"{o_key}.bias"), f"{o_key}.bias")
+        w_post = b.weight(f"{p}.post_attention_layernorm.weight", sd[f"{p}.post_attention_layernorm.weight"])
+        x, h = _skip_rms_norm(b, h, attn, w_post, eps, f"{name}/post_attention_layernorm")
+        m = f"{p}.mlp"
+        inter = sd[f"{m}.gate_proj.weight"].shape[0]
+        w_gu = np.concatenate([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]], axis=0)
+        gu = _project(b, x, fmt, f"{m}.gate_up_proj.weight", w_gu, f"{name}/mlp/gate_up_proj")
+        gate, up = b.op("Split", [gu, b.const([inter, inter])], f"{name}/mlp/split", num_outputs=2, axis=-1)
+        act = b.op("QuickGelu", [gate], f"{name}/mlp/act", domain=MS_DOMAIN, alpha=1.0)
+        delta = _project(b, b.op("Mul", [act, up], f"{name}/mlp"), fmt, f"{m}.down_proj.weight",
+                         sd[f"{m}.down_proj.weight"], f"{name}/mlp/down_proj")
+    rows = lambda t: b.op("Gather", [t, "logit_rows"], "logit_rows", axis=1)  # noqa: E731  [1,M,H]
+    w_norm = b.weight("model.norm.weight", sd["model.norm.weight"])
+    normed, _ = _skip_rms_norm(b, rows(h), rows(delta), w_norm, eps, "norm")
+    normed = b.op("Reshape", [normed, b.const([-1, hid])], "norm")
+    tied = "lm_head.weight" not in sd or np.array_equal(sd["lm_head.weight"], sd[embed_key])
+    head_key = embed_key if tied else "lm_head.weight"
+    if fmt.quantized:
+        matmul_nbits(b, normed, head_key, sd[head_key], fmt, "lm_head")
+        b.nodes[-1].output[0] = "logits"
+        b.outputs.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["M", spec.vocab_size]))
+    else:
+        _to_output(b, "Gemm", [normed, b.weight(head_key, sd[head_key])], "logits", ["M", spec.vocab_size],
+                   "lm_head", transB=1)
+    aux = b.op("Concat", taps, "aux_hidden", axis=-1) if len(taps) > 1 else taps[0]
+    _to_output(b, "Reshape", [aux, b.const([-1, spec.feature_size])], "aux_hidden", ["N", spec.feature_size],
+               "aux_hidden")
+    # graph outputs in contract order: logits, aux_hidden, then new_key.l / new_value.l per layer
+    order = [n for n, _, _ in target_io_contract(spec)["outputs"]]
+    by_name = {o.name: o for o in b.outputs}
+    del b.outputs[:]
+    b.outputs.extend(by_name[n] for n in order)
+    return b.model(doc=f"dspark-export target graph, fused, weights {fmt.name} (docs/ARCHITECTURE.md: target.onnx)")

@@ -242,7 +242,28 @@ def _check_gguf(path: Path) -> bool:
     if architecture not in _GGUF_ARCHITECTURES:
         raise ConfigError(f"target {path}: unsupported GGUF architecture {architecture!r}; expected one of "
                           f"{sorted(_GGUF_ARCHITECTURES)}")
+    _check_gguf_types(path, reader)
     return reader.get_field("tokenizer.ggml.model") is not None
+
+
+def gguf_dequantizable_types() -> set[str]:
+    """GGUF tensor types the ``gguf`` package dequantizes (what transformers calls to load a GGUF): plain
+    floats and every block type it has a numpy dequantizer for."""
+    import gguf.quants
+
+    return {"F32", "F16", "BF16", "F64"} | {t.name for t in gguf.quants._type_traits}
+
+
+def _check_gguf_types(path: Path, reader) -> None:
+    """Raises ConfigError naming the first tensor stored in a type we cannot dequantize (e.g. Q8_1, Q8_K:
+    llama.cpp's intermediate activation formats), and what to pass instead."""
+    ok = gguf_dequantizable_types()
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in ok:
+            raise ConfigError(f"target {path}: tensor {tensor.name!r} is stored as GGUF type {kind}, which cannot "
+                              f"be dequantized here (supported: {', '.join(sorted(ok))}); pass a GGUF quantized to "
+                              "one of those (llama-quantize ... Q8_0, Q4_0, Q4_1 or F16) or a transformers folder")
 
 
 def convert_gguf_to_folder(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:

@@ -1,0 +1,192 @@
+"""Weight formats of the exported graphs: fp32, or block-quantized int4 / int8 weights (ONNX Runtime's quantizer).
+
+A quantized linear layer is one ``com.microsoft::MatMulNBits`` node whose packed weights come from ONNX
+Runtime's own block quantizer (``onnxruntime.quantization.matmul_nbits_quantizer.DefaultWeightOnlyQuantizer``,
+the routine ``MatMulNBitsQuantizer`` runs on every MatMul; `quantize_blocks`):
+
+- blocks of ``block_size`` = 32 input features, one fp32 scale per (output feature, block);
+- symmetric, no zero-point input: the kernel uses its default 2^(bits-1) (8 for int4, 128 for int8). Float
+  zero points put MatMulNBits on a slow path (20-80x, issue 19), so none are written;
+- ``accuracy_level`` 4: the kernel quantizes each row of the activations to int8 per block on its own and
+  accumulates in int32 (MLAS's CompInt8 path). Row-local, so a request's logits never depend on its batch
+  mates (tested bitwise: tests/exporter/test_quantize.py). ``quantize_dynamic`` (DynamicQuantizeMatMul,
+  one activation scale per tensor) is not used: it breaks that.
+
+The embedding table is gathered with ``com.microsoft::GatherBlockQuantized`` from the same blocks (data
+[V, H·bits/8] uint8, scales [V, H/32]): a tied LM head and the embedding share one quantized copy. The
+gather's data is a second initializer over the very bytes of the head's MatMulNBits weight (same file,
+offset and length; `VIEW_DOC`), because the two ops want different shapes for the same bytes.
+
+Shapes (K input features, N output features, kb = K/32 blocks, blob = 32·bits/8 bytes):
+``packed [N, kb, blob] uint8``, ``scales [N, kb] float32``; a weight W [K, N] dequantizes as
+``W[k, n] ≈ scales[n, k // 32] · (q[n, k] - 2^(bits-1))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from ..errors import ConfigError
+
+__all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "quantize_blocks", "dequantize_blocks",
+           "matmul_nbits", "gather_block_quantized", "share_quantized_embedding", "VIEW_DOC", "MS_DOMAIN"]
+
+MS_DOMAIN = "com.microsoft"
+
+#: weight formats `build --weights` accepts: name -> bits (None = float32, no quantization)
+WEIGHT_FORMATS = {"int4": 4, "int8": 8, "fp32": None}
+
+#: the embedded default's format: the fastest end to end in reports/quant/quant.md (its command is there)
+DEFAULT_WEIGHTS = "int4"
+
+#: doc_string of an initializer that is a view of another one's bytes (`builder.save_model` points it there)
+VIEW_DOC = "dspark:view-of:"
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the target's linear layers, LM head and embedding are stored.
+
+    Attributes:
+        name: "int4", "int8" or "fp32".
+        block_size: input features per quantization block (MatMulNBits' ``block_size``).
+        accuracy_level: MatMulNBits' ``accuracy_level`` (4 = int8 activations per row and block).
+    """
+
+    name: str = "fp32"
+    block_size: int = 32
+    accuracy_level: int = 4
+
+    def __post_init__(self):
+        if self.name not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights: unknown weight format {self.name!r}; expected one of "
+                              f"{sorted(WEIGHT_FORMATS)} (int4 and int8: MatMulNBits block-quantized weights, "
+                              "fp32: plain float32)")
+
+    @property
+    def bits(self) -> int | None:
+        return WEIGHT_FORMATS[self.name]
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+
+def _quantizer(fmt: WeightFormat):
+    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                 DefaultWeightOnlyQuantizer)
+
+    return DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
+        block_size=fmt.block_size, is_symmetric=True, accuracy_level=fmt.accuracy_level, bits=fmt.bits))
+
+
+def quantize_blocks(weight_kn: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
+    """Block-quantize a MatMul weight W [K, N] with ONNX Runtime's quantizer.
+
+    Returns:
+        (packed [N, kb, blob] uint8, scales [N, kb] float32), MatMulNBits' B and scales (module docstring).
+    """
+    w = np.ascontiguousarray(weight_kn, dtype=np.float32)
+    packed, scales, _ = _quantizer(fmt).qbits_block_quant(w)
+    n, k = w.shape[1], w.shape[0]
+    kb = -(-k // fmt.block_size)
+    return packed.reshape(n, kb, -1), np.asarray(scales, np.float32).reshape(n, kb)
+
+
+def dequantize_blocks(packed: np.ndarray, scales: np.ndarray, fmt: WeightFormat, k: int) -> np.ndarray:
+    """The float32 weight W [K, N] that `quantize_blocks`' output stands for (the kernels' formula)."""
+    n, kb, _ = packed.shape
+    flat = packed.reshape(n, -1)
+    if fmt.bits == 4:
+        q = np.stack([flat & 0x0F, flat >> 4], axis=-1).reshape(n, -1)   # low nibble first
+    else:
+        q = flat
+    q = q[:, :kb * fmt.block_size].astype(np.float32) - 2 ** (fmt.bits - 1)
+    w = q.reshape(n, kb, fmt.block_size) * scales[:, :, None]
+    return np.ascontiguousarray(w.reshape(n, -1)[:, :k].T)
+
+
+def matmul_nbits(b, x: str, weight_name: str, weight_out_in: np.ndarray, fmt: WeightFormat, name: str,
+                 bias: np.ndarray | None = None, bias_name: str | None = None) -> str:
+    """x @ Wᵀ (+ bias) through MatMulNBits for a PyTorch Linear weight W [out, in]; x [..., in] -> [..., out].
+
+    Initializers: ``{weight_name}_Q{bits}`` (packed) and ``{weight_name}_scales``, the names ONNX Runtime's
+    ``MatMulNBitsQuantizer`` gives them. Reused when already added (a tied head after the embedding).
+    """
+    q_name, s_name = f"{weight_name}_Q{fmt.bits}", f"{weight_name}_scales"
+    out_f, in_f = weight_out_in.shape
+    if q_name not in b.initializers:
+        packed, scales = quantize_blocks(np.asarray(weight_out_in, np.float32).T, fmt)
+        b.weight(q_name, packed)
+        b.weight(s_name, scales)
+    inputs = [x, q_name, s_name]
+    if bias is not None:
+        inputs += ["", "", b.weight(bias_name, bias)]
+    return b.op("MatMulNBits", inputs, name, domain=MS_DOMAIN, K=int(in_f), N=int(out_f), bits=fmt.bits,
+                block_size=fmt.block_size, accuracy_level=fmt.accuracy_level)
+
+
+def gather_block_quantized(b, table_name: str, table: np.ndarray, ids: str, fmt: WeightFormat, name: str) -> str:
+    """Rows ``ids`` of an embedding table [V, H] stored block-quantized; output [*ids.shape, H] float32.
+
+    The table is quantized as the MatMulNBits weight of a head ``h @ tableᵀ`` (K = H, N = V), under the same
+    names as `matmul_nbits` gives it, so a tied head reuses the blocks; the gather reads them through a
+    [V, kb·blob] view of the packed bytes (`VIEW_DOC`).
+
+    Raises:
+        ConfigError: H is not a multiple of the block size (the gather's blocks must tile a row exactly).
+    """
+    vocab, hidden = table.shape
+    if hidden % fmt.block_size:
+        raise ConfigError(f"weights {fmt.name}: the embedding's hidden size {hidden} is not a multiple of the "
+                          f"quantization block {fmt.block_size}; pass --weights fp32")
+    q_name, s_name = f"{table_name}_Q{fmt.bits}", f"{table_name}_scales"
+    if q_name not in b.initializers:
+        packed, scales = quantize_blocks(np.asarray(table, np.float32).T, fmt)
+        b.weight(q_name, packed)
+        b.weight(s_name, scales)
+    view = f"{q_name}.rows"
+    if view not in b.initializers:
+        packed = onnx.numpy_helper.to_array(b.initializers[q_name])
+        b.weight(view, packed.reshape(vocab, -1))
+        b.initializers[view].doc_string = VIEW_DOC + q_name
+    return b.op("GatherBlockQuantized", [view, ids, s_name], name, domain=MS_DOMAIN, bits=fmt.bits,
+                block_size=fmt.block_size, gather_axis=0, quantize_axis=1)
+
+
+def share_quantized_embedding(model: onnx.ModelProto, table_name: str, table: np.ndarray,
+                              fmt: WeightFormat) -> onnx.ModelProto:
+    """Replace every ``Gather(table_name, ids)`` of `model` by a GatherBlockQuantized over the blocks the
+    quantized target stores for the same table (same names and bytes, so `builder.save_model(share_from=
+    target.onnx)` points them into the target's data file), and drop the float table if nothing else reads it.
+
+    Why: the drafter's frozen embedding equals the target's and used to point into target.onnx.data; a
+    quantized target no longer holds the float table there. The drafter then embeds its block tokens from
+    the quantized table (its drafts change by the quantization step; verification is unaffected).
+    """
+    from .builder import GraphBuilder
+
+    gathers = [n for n in model.graph.node if n.op_type == "Gather" and n.domain in ("", "ai.onnx")
+               and n.input[0] == table_name]
+    if not gathers or not fmt.quantized:
+        return model
+    b = GraphBuilder(model.graph.name)
+    for node in gathers:
+        gather_block_quantized(b, table_name, table, node.input[1], fmt, "embed_tokens")
+        new = b.nodes[-1]
+        node.op_type, node.domain = new.op_type, new.domain
+        del node.input[:], node.attribute[:]
+        node.input.extend(new.input)
+        node.attribute.extend(new.attribute)
+    have = {i.name for i in model.graph.initializer}
+    model.graph.initializer.extend(t for name, t in b.initializers.items() if name not in have)
+    if not any(table_name in n.input for n in model.graph.node):
+        keep = [i for i in model.graph.initializer if i.name != table_name]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    return model

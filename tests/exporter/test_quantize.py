@@ -1,0 +1,332 @@
+"""Quantized target engines (exporter/quantize.py, the fused target graph): weights, parity, batch invariance,
+speculative == autoregressive on the quantized engines, the drafter's shared embedding, bad input."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from dspark_export.engines.packing import Segment, pack_segments
+from dspark_export.errors import ConfigError
+from dspark_export.exporter.quantize import (WeightFormat, dequantize_blocks, quantize_blocks)
+from dspark_export.exporter.target import build_target_graph
+
+TAPS = (1, 2)
+QUANT = ("int4", "int8")
+
+
+def _session(proto) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _feed(spec, segments, num_slots, lens, bucket, past, seed=0) -> dict:
+    """A packed target feed; `past[l]` = (keys, values) [S, kvH, P, D] shared by every call of a test."""
+    feed = dict(pack_segments(segments, num_slots, np.asarray(lens, np.int64), bucket).feed)
+    for layer, (k, v) in enumerate(past):
+        feed[f"past_key.{layer}"], feed[f"past_value.{layer}"] = k, v
+    return feed
+
+
+def _run(sess, feed) -> dict:
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+
+
+def _past(spec, num_slots, capacity, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (num_slots, spec.num_kv_heads, capacity, spec.head_dim)
+    return [(rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32))
+            for _ in range(spec.num_layers)]
+
+
+# -- the quantizer ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weights", QUANT)
+def test_blocks_are_onnxruntime_quantizers_own(weights):
+    """quantize_blocks gives byte for byte what MatMulNBitsQuantizer writes for a MatMul (block 32, symmetric,
+    accuracy_level 4), and no zero points (the kernel's default; float zero points are its slow path)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    fmt = WeightFormat(weights)
+    w = np.random.default_rng(0).normal(size=(96, 40)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, 96])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, 40])],
+                              initializer=[numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    q = MatMulNBitsQuantizer(model, algo_config=DefaultWeightOnlyQuantConfig(
+        block_size=32, is_symmetric=True, accuracy_level=4, bits=fmt.bits))
+    q.process()
+    out = q.model.model
+    [node] = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    assert len(node.input) == 3  # A, B, scales: no zero points
+    inits = {i.name: numpy_helper.to_array(i) for i in out.graph.initializer}
+    packed, scales = quantize_blocks(w, fmt)
+    assert np.array_equal(inits[node.input[1]].reshape(packed.shape), packed)
+    assert np.array_equal(inits[node.input[2]].reshape(scales.shape), scales)
+
+
+@pytest.mark.parametrize("weights", QUANT)
+def test_dequantized_weights_are_within_one_step(weights):
+    fmt = WeightFormat(weights)
+    w = np.random.default_rng(1).normal(size=(128, 24)).astype(np.float32)
+    packed, scales = quantize_blocks(w, fmt)
+    err = np.abs(dequantize_blocks(packed, scales, fmt, w.shape[0]) - w)      # [K, N]
+    step = np.repeat(np.abs(scales).T, fmt.block_size, axis=0)               # one step per (block, n)
+    assert (err <= step * (1 + 1e-6)).all()
+    assert err.max() > 0  # really quantized
+
+
+# -- the exported graph ----------------------------------------------------------------------------------
+
+def _tied(model):
+    """The same tiny model with its LM head tied to the embedding (SmolLM2's layout)."""
+    import copy
+
+    tied = copy.deepcopy(model)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    return tied
+
+
+def _source_of(name: str, sd: dict) -> np.ndarray:
+    """The state_dict weight [out, in] a MatMulNBits initializer `..._Q{bits}` was quantized from."""
+    base = re.sub(r"_Q\d$", "", name)
+    if base.endswith(".qkv_proj.weight"):
+        p = base[: -len(".qkv_proj.weight")]
+        return np.concatenate([sd[f"{p}.{t}_proj.weight"] for t in "qkv"])
+    if base.endswith(".gate_up_proj.weight"):
+        p = base[: -len(".gate_up_proj.weight")]
+        return np.concatenate([sd[f"{p}.gate_proj.weight"], sd[f"{p}.up_proj.weight"]])
+    return sd[base]
+
+
+@pytest.mark.parametrize("weights", QUANT)
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_every_linear_head_and_embedding_is_quantized_within_one_step(tiny_target, weights, tie):
+    model = _tied(tiny_target) if tie else tiny_target
+    fmt = WeightFormat(weights)
+    proto, spec = build_target_graph(model, TAPS, weights)
+    onnx.checker.check_model(proto)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    ops = [n.op_type for n in proto.graph.node]
+    weight_readers = [n.op_type for n in proto.graph.node
+                      if any(i in inits and inits[i].ndim == 2 and inits[i].size > 1024 for i in n.input)]
+    assert "MatMul" not in weight_readers and "Gemm" not in weight_readers
+    assert ops.count("MatMulNBits") == 4 * spec.num_layers + 1          # qkv, o, gate_up, down + head
+    [gather] = [n for n in proto.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert not any(n.op_type in ("Gather", "Gemm") and n.input[0] in inits and inits[n.input[0]].dtype == np.float32
+                   and inits[n.input[0]].size >= spec.vocab_size * spec.hidden_size for n in proto.graph.node)
+    for node in proto.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (fmt.bits, 32, 4)
+        assert len([i for i in node.input[3:5] if i]) == 0   # no zero points, no g_idx
+        w = _source_of(node.input[1], sd)
+        deq = dequantize_blocks(inits[node.input[1]], inits[node.input[2]], fmt, w.shape[1])
+        step = np.repeat(np.abs(inits[node.input[2]]).T, 32, axis=0)[: w.shape[1]]
+        assert (np.abs(deq - w.T) <= step * (1 + 1e-6)).all(), node.name
+    # the gather reads the same bytes as the head when tied; its rows dequantize to the table within a step
+    view = inits[gather.input[0]]
+    head = [n for n in proto.graph.node if n.name.endswith("/lm_head/MatMulNBits")][0]
+    assert (gather.input[2] == head.input[2]) == tie
+    table = sd["model.embed_tokens.weight"]
+    sess = _session(helper.make_model(
+        helper.make_graph([gather], "g",
+                          [helper.make_tensor_value_info(gather.input[1], onnx.TensorProto.INT64, [None])],
+                          [helper.make_tensor_value_info(gather.output[0], onnx.TensorProto.FLOAT, None)],
+                          initializer=[numpy_helper.from_array(view, gather.input[0]),
+                                       numpy_helper.from_array(inits[gather.input[2]], gather.input[2])]),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]))
+    rows = sess.run(None, {gather.input[1]: np.arange(spec.vocab_size, dtype=np.int64)})[0]
+    step = np.repeat(np.abs(inits[gather.input[2]]), 32, axis=1)
+    assert (np.abs(rows - table) <= step * (1 + 1e-6)).all()
+
+
+def _mixed(spec, bucket_pad=3):
+    rng = np.random.default_rng(0)
+    segs = [Segment(0, rng.integers(0, spec.vocab_size, 5), 7), Segment(1, rng.integers(0, spec.vocab_size, 1), 0),
+            Segment(2, rng.integers(0, spec.vocab_size, 8), 12), Segment(3, rng.integers(0, spec.vocab_size, 1), 19)]
+    return segs, [7, 0, 12, 19], sum(len(s.token_ids) for s in segs) + bucket_pad
+
+
+def test_fused_float_graph_equals_the_standard_one(tiny_target):
+    """The fused graph (contrib ops, fewer nodes) computes what the standard graph computes, to float rounding,
+    on a mixed prefill/decode/verify batch and at the last positions (the RoPE table's end)."""
+    std, spec = build_target_graph(tiny_target, TAPS, "fp32")
+    fused, _ = build_target_graph(tiny_target, TAPS, "fp32", fused=True)
+    assert len(fused.graph.node) < 0.65 * len(std.graph.node)
+    segs, lens, bucket = _mixed(spec)
+    past = _past(spec, 4, 24)
+    feed = _feed(spec, segs, 4, lens, bucket, past)
+    a, b = _run(_session(std), feed), _run(_session(fused), feed)
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].shape == b[name].shape and np.abs(a[name] - b[name]).max() < 1e-4, name
+    n = spec.max_position_embeddings
+    last = [Segment(0, np.array([3, 4]), n - 2)]
+    past = _past(spec, 1, n)
+    feed = _feed(spec, last, 1, [n - 2], 2, past)
+    a, b = _run(_session(std), feed), _run(_session(fused), feed)
+    assert np.abs(a["logits"] - b["logits"]).max() < 1e-4
+
+
+@pytest.mark.parametrize("weights", QUANT)
+def test_quantized_graph_tracks_the_float_one(tiny_target, weights):
+    std, spec = build_target_graph(tiny_target, TAPS, "fp32")
+    quant, _ = build_target_graph(tiny_target, TAPS, weights)
+    segs, lens, bucket = _mixed(spec)
+    past = _past(spec, 4, 24)
+    feed = _feed(spec, segs, 4, lens, bucket, past)
+    a, b = _run(_session(std), feed), _run(_session(quant), feed)
+    corr = np.corrcoef(a["logits"].ravel(), b["logits"].ravel())[0, 1]
+    assert np.isfinite(b["logits"]).all() and corr > (0.999 if weights == "int8" else 0.95), corr
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8", "fp32-fused"])
+def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
+    """Request 0 alone (bucket 1 and padded to 8) and packed beside three others (prefill, verify and decode rows
+    with large activations) gives the same logits, features and K/V to float rounding: every kernel is row-local
+    (MatMulNBits accuracy_level 4 quantizes each activation row on its own)."""
+    fmt, fused = (weights, None) if weights != "fp32-fused" else ("fp32", True)
+    proto, spec = build_target_graph(tiny_llama, TAPS, fmt, fused)
+    sess = _session(proto)
+    rng = np.random.default_rng(3)
+    past = _past(spec, 4, 32)
+    mine = Segment(0, np.array([17]), 9)
+    others = [Segment(1, rng.integers(0, spec.vocab_size, 8), 20),
+              Segment(2, rng.integers(0, spec.vocab_size, 12), 0), Segment(3, rng.integers(0, spec.vocab_size, 1), 30)]
+    alone = _run(sess, _feed(spec, [mine], 4, [9, 20, 0, 30], 1, past))
+    padded = _run(sess, _feed(spec, [mine], 4, [9, 20, 0, 30], 8, past))
+    packed = _run(sess, _feed(spec, [mine] + others, 4, [9, 20, 0, 30], 32, past))
+    for out in (padded, packed):
+        assert np.abs(out["logits"][0] - alone["logits"][0]).max() <= 1e-5 * max(1.0, np.abs(alone["logits"]).max())
+        assert np.abs(out["aux_hidden"][0] - alone["aux_hidden"][0]).max() <= 1e-5
+        assert np.abs(out["new_key.3"][0] - alone["new_key.3"][0]).max() <= 1e-5
+
+
+# -- engine directories ----------------------------------------------------------------------------------
+
+BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4), max_context=96,
+               profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
+PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19, 20, 21]]
+
+
+@pytest.fixture(scope="module", params=QUANT)
+def quant_engine_dir(request, build_tiny_engine_dir):
+    return request.param, build_tiny_engine_dir(f"engines-{request.param}", weights=request.param, **BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def float_engine_dir(build_tiny_engine_dir):
+    return build_tiny_engine_dir("engines-fp32", weights="fp32", **BUCKETS)
+
+
+def _generate(rt, policy, prompts=PROMPTS, max_new=24):
+    from dspark_export.runtime.request import SamplingParams
+
+    rt.set_policy(policy)
+    return rt.generate_ids(prompts, [SamplingParams(max_new_tokens=max_new) for _ in prompts])
+
+
+@pytest.mark.parametrize("policy", ["fixed:4", "fixed:1", "threshold:0.4", "dspark", "dspark-async"])
+def test_greedy_speculative_equals_ar_on_quantized_engines(quant_engine_dir, policy):
+    from dspark_export.runtime.api import Runtime
+
+    _, engine_dir = quant_engine_dir
+    rt = Runtime.open(engine_dir, policy="ar")
+    ar = _generate(rt, "ar")
+    assert sum(len(r.token_ids) for r in ar) > 40
+    assert [r.token_ids for r in _generate(rt, policy)] == [r.token_ids for r in ar]
+    solo = [_generate(rt, policy, [p])[0].token_ids for p in PROMPTS]
+    assert solo == [r.token_ids for r in ar]
+
+
+def test_quantized_engine_directory(quant_engine_dir, float_engine_dir):
+    """The manifest records the format, the drafter embeds from the target's quantized table (pointing into
+    target.onnx.data, no float copy anywhere) and the directory is smaller than the float one."""
+    from onnx.external_data_helper import uses_external_data
+
+    from dspark_export.engines.manifest import Manifest
+
+    weights, engine_dir = quant_engine_dir
+    m = Manifest.load(engine_dir)
+    assert m.data["graphs"]["target"]["spec"]["weights"] == weights
+    block = onnx.load(str(engine_dir / "graphs" / "drafter_block.onnx"), load_external_data=False)
+    [gather] = [n for n in block.graph.node if n.op_type == "GatherBlockQuantized"]
+    shared = {i.name: {e.key: e.value for e in i.external_data} for i in block.graph.initializer
+              if uses_external_data(i)}
+    assert shared[gather.input[0]]["location"] == "target.onnx.data"
+    assert shared[gather.input[2]]["location"] == "target.onnx.data"
+    for graph in ("target", "drafter_block"):
+        names = {i.name for i in onnx.load(str(engine_dir / "graphs" / f"{graph}.onnx"),
+                                           load_external_data=False).graph.initializer}
+        assert "model.embed_tokens.weight" not in names
+    size = lambda d: sum(f.stat().st_size for f in d.rglob("*.data"))  # noqa: E731
+    assert size(engine_dir) < 0.6 * size(float_engine_dir)
+
+
+# -- choices and bad input -------------------------------------------------------------------------------
+
+def test_unknown_weight_format_is_named(tmp_path):
+    from dspark_export.pipeline import BuildConfig
+
+    with pytest.raises(ConfigError, match=r"'int3'.*\['fp32', 'int4', 'int8'\]"):
+        WeightFormat("int3")
+    with pytest.raises(ConfigError, match="q4_0"):
+        BuildConfig(out=tmp_path / "x", weights="q4_0")
+
+
+def test_cli_refuses_an_unknown_weight_format(capsys):
+    from dspark_export.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["build", "--out", "x", "--weights", "q4"])
+    assert e.value.code == 2 and "q4" in capsys.readouterr().err
+
+
+def test_imported_drafter_keeps_a_float_target_unless_asked(tmp_path):
+    from dspark_export.exporter.quantize import DEFAULT_WEIGHTS
+    from dspark_export.pipeline import BuildConfig, resolved_weights
+
+    assert resolved_weights(BuildConfig(out=tmp_path / "a")) == DEFAULT_WEIGHTS
+    assert resolved_weights(BuildConfig(out=tmp_path / "a", drafter="untrained")) == DEFAULT_WEIGHTS
+    assert resolved_weights(BuildConfig(out=tmp_path / "a", drafter="/ckpt/deepspec")) == "fp32"
+    assert resolved_weights(BuildConfig(out=tmp_path / "a", drafter="/ckpt/deepspec", weights="int8")) == "int8"
+
+
+def test_gguf_type_we_cannot_dequantize_is_named(tmp_path):
+    """A GGUF holding a tensor in a type the gguf package cannot dequantize (Q8_1) is refused before loading,
+    naming the tensor, the type and what to pass instead."""
+    import gguf
+
+    from dspark_export.modeling.target import load_target
+
+    path = tmp_path / "model.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+    w.add_tensor("token_embd.weight", np.zeros((4, 64 // block * size), np.uint8),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=r"'token_embd.weight'.*Q8_1.*Q8_0"):
+        load_target(path)
+
+
+def test_tensorrt_lowering_refuses_a_quantized_graph_by_name(tiny_llama):
+    from dspark_export.engines.trt.lowering import lower_model
+    from dspark_export.errors import BuildError
+
+    proto, _ = build_target_graph(tiny_llama, TAPS, "int4")
+    with pytest.raises(BuildError, match=r"MatMulNBits.*--weights fp32"):
+        lower_model(proto, "target")
