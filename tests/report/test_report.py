@@ -244,15 +244,16 @@ def test_screenshot_in_headless_chromium(engine_dir, tmp_path):
 def test_chromium_finds_what_the_file_check_cannot(tmp_path):
     """PNGs whose signature and IHDR are fine but whose pixels are garbled or missing pass the file check;
     in Chromium they do not decode. A white PNG decodes but is blank; a figure below the window is unseen."""
+    import io
+
     from PIL import Image, ImageDraw
 
     def png(blank: bool) -> bytes:
-        im = Image.new("RGB", (200, 100), "white")
+        im, buf = Image.new("RGB", (200, 100), "white"), io.BytesIO()
         if not blank:
             ImageDraw.Draw(im).line((0, 0, 199, 99), fill="black", width=3)
-        path = tmp_path / "x.png"
-        im.save(path)
-        return path.read_bytes()
+        im.save(buf, "PNG")
+        return buf.getvalue()
 
     good = png(blank=False)
     srcs = [good, png(blank=True), good[:33] + bytes(40) + good[73:], good[:40]]
@@ -262,8 +263,8 @@ def test_chromium_finds_what_the_file_check_cannot(tmp_path):
         + '<p><img src="missing.png"></p><div style="height: 600px"></div><img src="ok.png"></body></html>')
     (tmp_path / "ok.png").write_bytes(good)
     assert [line.split(" ")[0] for line in screenshot_report.check_images(page)] == ["ok"] * 4 + ["BROKEN", "ok"]
-    browser = next(shutil.which(b) for b in screenshot_report.BROWSERS if shutil.which(b))
-    lines = screenshot_report.screenshot(page, tmp_path / "shot.png", 800, 700, browser, timeout=120)
+    lines = screenshot_report.screenshot(page, tmp_path / "shot.png", 800, 700, screenshot_report.find_browser(None),
+                                         timeout=120)
     assert lines[0].startswith("ok img #1 in Chromium: 200x100 shown 200x100"), lines
     assert "blank" in lines[1] and lines[1].startswith("BROKEN img #2")
     assert all(line.startswith(f"BROKEN img #{n} in Chromium: not decoded") for n, line in zip((3, 4, 5), lines[2:5]))
