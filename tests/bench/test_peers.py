@@ -64,7 +64,7 @@ def test_transformers_skipped_without_a_transformers_folder(engine_dir, tmp_path
     assert "no transformers folder" in result["results"][1]["skipped"]
 
 
-@pytest.mark.skipif(not HAS_ORTGENAI, reason="onnxruntime-genai not installed (optional extra 'peers')")
+@pytest.mark.skipif(not HAS_ORTGENAI, reason="onnxruntime-genai not installed (in the test extra: pip install -e '.[test]')")
 def test_onnxruntime_genai_built_from_the_same_folder(engine_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_EXPORT_CACHE", str(tmp_path / "cache"))
     result = run_peers_bench(PeersBenchConfig(engine_dir, prompts=PROMPTS, max_new_tokens=8,

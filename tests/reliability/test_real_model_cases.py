@@ -1,13 +1,10 @@
 """Failure-case rows that need real text, on the real default model (marked `real_model`).
 
-Uses an existing engine directory of SmolLM2-135M-Instruct with its trained drafter: $DSPARK_ENGINE_DIR,
-else /tmp/eng/dspark (build one with `dspark-export build --out /tmp/eng/dspark`); skipped without one.
+Runs on the session's build of the embedded default (SmolLM2-135M-Instruct with its trained drafter),
+`real_engine_dir` in tests/conftest.py: built once per session, or $DSPARK_ENGINE_DIR when set.
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import pytest
 
@@ -18,18 +15,15 @@ from .conftest import generator
 
 pytestmark = pytest.mark.real_model
 
-ENGINE_DIR = Path(os.environ.get("DSPARK_ENGINE_DIR", "/tmp/eng/dspark"))
 TEXT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
         "How many clips did Natalia sell altogether in April and May? Explain step by step.")
 
 
 @pytest.fixture(scope="module")
-def real_rt():
-    if not (ENGINE_DIR / "manifest.json").is_file():
-        pytest.skip(f"no real engine directory at {ENGINE_DIR} (set DSPARK_ENGINE_DIR)")
+def real_rt(real_engine_dir):
     from dspark_export.runtime.api import Runtime
 
-    return Runtime.open(ENGINE_DIR, policy="ar")
+    return Runtime.open(real_engine_dir, policy="ar")
 
 
 def _run(rt, policy, prompt, n, drafter=None, **params):

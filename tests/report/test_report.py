@@ -220,15 +220,57 @@ def test_screenshot_script_checks_images(engine_dir, tmp_path):
     assert len(ok) == 5 and all(line.startswith("ok ") for line in ok)
 
 
-@pytest.mark.skipif(not any(shutil.which(b) for b in screenshot_report.BROWSERS), reason="no Chromium installed")
+needs_chromium = pytest.mark.skipif(
+    not any(shutil.which(b) for b in screenshot_report.BROWSERS),
+    reason=f"no Chromium on PATH (looked for {', '.join(screenshot_report.BROWSERS)}): `bash scripts/test_deps.sh` "
+           "installs it as root (Debian: apt-get install chromium)")
+
+
+@needs_chromium
 def test_screenshot_in_headless_chromium(engine_dir, tmp_path):
+    """The report as Chromium shows it: every figure decoded, on the page and drawn (not blank)."""
     shot = tmp_path / "shot.png"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "screenshot_report.py"),
                            str(engine_dir / "report" / "index.html"), "--out", str(shot), "--height", "3000"],
                           capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shown = [line for line in proc.stdout.splitlines() if "in Chromium" in line]
+    assert [line.split(":")[0] for line in shown] == [f"ok img #{n} in Chromium" for n in range(1, 6)], proc.stdout
     w, h = screenshot_report.png_size(shot.read_bytes())
     assert w == 1280 and 500 < h <= 3000
+
+
+@needs_chromium
+def test_chromium_finds_what_the_file_check_cannot(tmp_path):
+    """PNGs whose signature and IHDR are fine but whose pixels are garbled or missing pass the file check;
+    in Chromium they do not decode. A white PNG decodes but is blank; a figure below the window is unseen."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    def png(blank: bool) -> bytes:
+        im, buf = Image.new("RGB", (200, 100), "white"), io.BytesIO()
+        if not blank:
+            ImageDraw.Draw(im).line((0, 0, 199, 99), fill="black", width=3)
+        im.save(buf, "PNG")
+        return buf.getvalue()
+
+    good = png(blank=False)
+    srcs = [good, png(blank=True), good[:33] + bytes(40) + good[73:], good[:40]]
+    page = tmp_path / "page.html"
+    page.write_text("<html><head></head><body>" + "".join(
+        f'<p><img src="data:image/png;base64,{base64.b64encode(s).decode()}"></p>' for s in srcs)
+        + '<p><img src="missing.png"></p><div style="height: 600px"></div><img src="ok.png"></body></html>')
+    (tmp_path / "ok.png").write_bytes(good)
+    assert [line.split(" ")[0] for line in screenshot_report.check_images(page)] == ["ok"] * 4 + ["BROKEN", "ok"]
+    lines = screenshot_report.screenshot(page, tmp_path / "shot.png", 800, 700, screenshot_report.find_browser(None),
+                                         timeout=120)
+    assert lines[0].startswith("ok img #1 in Chromium: 200x100 shown 200x100"), lines
+    assert "blank" in lines[1] and lines[1].startswith("BROKEN img #2")
+    assert all(line.startswith(f"BROKEN img #{n} in Chromium: not decoded") for n, line in zip((3, 4, 5), lines[2:5]))
+    assert "missing.png" in lines[4]
+    assert lines[5].startswith("BROKEN img #6") and "outside the 800x700 screenshot" in lines[5], lines
+    assert len(lines) == 6
 
 
 def test_inspect_shows_the_calibration_and_report(engine_dir, capsys):
