@@ -223,7 +223,7 @@ def run_soak(rt, records: list[Record], in_flight: int, warmup: int, max_slots: 
             rec = pending.pop(0)
             gen = gens[rec.policy]
             live += 1
-            rid = gen._next_id          # the id submit assigns (one submitting thread)
+            rid = gen.batch.next_id          # the id submit assigns (one submitting thread)
             by_id[(rec.policy, rid)] = rec
             rec.request_id = gen.submit(rec.prompt, SamplingParams(**rec.params), on_token(rec.policy))
             assert rec.request_id == rid
@@ -264,7 +264,7 @@ def run_soak(rt, records: list[Record], in_flight: int, warmup: int, max_slots: 
             log(f"{finished}/{len(records)} finished, {steps} steps, RSS {rss_samples[-1] / 2**20:.1f} MiB")
     wall = time.perf_counter() - t0
     rss_end = rss_bytes()
-    leftover = sum(len(g._requests) for g in gens.values())
+    leftover = sum(len(g.batch.requests) for g in gens.values())
     reasons: dict[str, int] = {}
     for r in records:
         reasons[str(r.finish_reason)] = reasons.get(str(r.finish_reason), 0) + 1

@@ -16,6 +16,7 @@ from dspark_export.runtime.api import Runtime
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
+from dspark_export.runtime.stages import EngineStages
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4), max_context=96,
                profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
@@ -74,7 +75,7 @@ def test_oracle_drafts_exercise_acceptance(runtime, monkeypatch):
     """Drafts that copy the AR continuation for a varying prefix: none, some and all accepted,
     and the output stays identical to AR (target KV and drafter context commit exactly a+1 rows)."""
     ar = {tuple(p): r.token_ids for p, r in zip(PROMPTS, _run(runtime, "ar", max_new_tokens=30))}
-    original = Generator._draft
+    original = EngineStages.draft
     calls = {"n": 0}
 
     def oracle(self, active, flushed):
@@ -93,7 +94,7 @@ def test_oracle_drafts_exercise_acceptance(runtime, monkeypatch):
         np.put_along_axis(logits, ids[..., None], 30.0, axis=-1)
         return {**out, "draft_ids": ids, "draft_logits": logits}
 
-    monkeypatch.setattr(Generator, "_draft", oracle)
+    monkeypatch.setattr(EngineStages, "draft", oracle)
     for policy in ("fixed:4", "dspark", "dspark-async"):
         spec = _run(runtime, policy, max_new_tokens=30)
         for p, r in zip(PROMPTS, spec):
@@ -296,7 +297,7 @@ def test_calibration_next_to_the_drafter_reaches_the_manifest(tiny_target_dir, t
     build_engine_dir(BuildConfig(out=out, target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))
     assert Manifest.load(out).runtime["confidence_temperature"] == temps
     gen = Generator(Runtime.open(out, policy="dspark").engines, parse_policy("dspark"))
-    assert gen.sts.tolist() == pytest.approx(temps)
+    assert gen.stages.sts.tolist() == pytest.approx(temps)
     (ckpt / "calibration.json").write_text(json.dumps({"confidence_temperature": [1.0, -1.0, 1.0, 1.0]}))
     with pytest.raises(ConfigError, match=r"calibration.json: confidence_temperature: expected 4 finite positive"):
         build_engine_dir(BuildConfig(out=tmp_path / "eng2", target=str(tiny_target_dir), drafter=str(ckpt), **BUCKETS))

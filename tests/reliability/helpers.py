@@ -9,13 +9,14 @@ from typing import Callable
 import numpy as np
 
 from dspark_export.engines.packing import Segment, pack_segments
+from dspark_export.runtime.draft_control import DraftController
 from dspark_export.runtime.kv_cache import KVCache
 from ..runtime.self_draft import TargetDrafter
 
 
 # -- invariants ------------------------------------------------------------------------------
 def live_states(gen):
-    return [s for s in gen._slots if s is not None and not s.done]
+    return [s for s in gen.batch.slots if s is not None and not s.done]
 
 
 def check_lengths(gen) -> None:
@@ -130,6 +131,9 @@ class ScriptedPolicy:
 
     def __init__(self, lengths: Callable[[int, int], int]):
         self.lengths, self.count = lengths, 0
+
+    def draft_controller(self, profile, block_size) -> DraftController:
+        return DraftController(self.drafts)          # drafts every step
 
     def verify_lengths(self, confidence, block_size, profile=None, lagged_confidence=None, max_lengths=None):
         n = self.lengths(self.count, confidence.shape[0])

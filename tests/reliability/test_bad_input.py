@@ -296,7 +296,7 @@ def test_release_of_a_running_or_unknown_request_is_refused(rel_runtime):
     with pytest.raises(RequestError, match="found none"):
         gen.release(999)
     run_steps(gen)
-    assert gen.release(rid).finish_reason in ("length", "stop") and gen._requests == {}
+    assert gen.release(rid).finish_reason in ("length", "stop") and gen.batch.requests == {}
 
 
 def test_stop_ids_and_strings_given_as_lists_work_as_tuples(rel_runtime):

@@ -145,7 +145,7 @@ def test_nan_rows_of_one_request_fail_only_that_request(rel_runtime, where):
         ids = _submit_all(gen, PROMPTS)
         slot_of = {}
         while gen.has_work():
-            slot_of.update({s.index: s.slot for s in gen._slots if s is not None})
+            slot_of.update({s.index: s.slot for s in gen.batch.slots if s is not None})
             gen.step()
             check_lengths(gen)
             check_caches_equal_fresh(gen)
@@ -287,7 +287,7 @@ def test_cancel_from_the_stream_frees_the_slot_for_a_waiting_request(rel_runtime
         gen.step()
         steps += 1
         check_lengths(gen)
-        if admitted_c_at is None and any(s is not None and s.index == c for s in gen._slots):
+        if admitted_c_at is None and any(s is not None and s.index == c for s in gen.batch.slots):
             admitted_c_at = steps
             assert gen.result(a).finish_reason == "cancelled"
             assert gen.num_slots == 2

@@ -81,14 +81,14 @@ def test_a_prefill_chunk_next_to_decode_rows_runs_over_its_slot_alone(runtime, p
     every request still equals its solo run."""
     gen = Generator(runtime.engines, parse_policy(policy))
     passes = []
-    real = gen._infer
+    real = gen.stages.infer
 
     def infer(runner, feed):
         if runner.key.graph == "target":
             passes.append((gen.num_slots, feed["past_key.0"].shape[0], len(feed["cache_lens"]),
                            feed["input_ids"].copy(), feed["past_key.0"]))
         return real(runner, feed)
-    gen._infer = infer
+    gen.stages.infer = infer
     long_prompt = [60 + i % 50 for i in range(30)]            # longer than a verification block (γ + 1 = 5)
     first = gen.submit(PROMPTS[0], SamplingParams(max_new_tokens=16))
     second = gen.submit(PROMPTS[1], SamplingParams(max_new_tokens=16))
@@ -115,8 +115,8 @@ def test_a_prefill_chunk_next_to_decode_rows_runs_over_its_slot_alone(runtime, p
 def test_a_lone_request_prefills_in_the_shared_pass(runtime):  # noqa: F811
     gen = Generator(runtime.engines, parse_policy("ar"))
     shapes = []
-    real = gen._infer
-    gen._infer = lambda runner, feed: (shapes.append(len(feed["cache_lens"])) if runner.key.graph == "target"
+    real = gen.stages.infer
+    gen.stages.infer = lambda runner, feed: (shapes.append(len(feed["cache_lens"])) if runner.key.graph == "target"
                                        else None) or real(runner, feed)
     gen.generate([[60 + i % 50 for i in range(30)]], [SamplingParams(max_new_tokens=4)])
     assert shapes and set(shapes) == {1}                      # one slot: nothing to split, one pass per step

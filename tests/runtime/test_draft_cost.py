@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_export.errors import ProfileError
-from dspark_export.runtime import generator
+from dspark_export.runtime import draft_control
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
@@ -68,9 +68,9 @@ def _solo(rt, prompt, n):
 
 @pytest.fixture
 def every_probe(monkeypatch):
-    """No floor on the probe interval (`Generator._probe_floor` = 0): probes at 4, 8, 16, ... skipped steps
+    """No floor on the probe interval (`SkipController.probe_floor` = 0): probes at 4, 8, 16, ... skipped steps
     even with the 10 s drafters these tests use to force K* = 0."""
-    monkeypatch.setattr(generator, "_PROBE_OVERHEAD", math.inf)
+    monkeypatch.setattr(draft_control, "_PROBE_OVERHEAD", math.inf)
 
 
 def test_async_skips_the_drafter_and_probes_back(runtime, every_probe):  # noqa: F811
@@ -78,8 +78,8 @@ def test_async_skips_the_drafter_and_probes_back(runtime, every_probe):  # noqa:
     # An expensive drafter: a step that verifies drafts cannot pay it back, so K* = 0 after two steps.
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     calls = []
-    real = gen._draft
-    gen._draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    real = gen.stages.draft
+    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])[0]
     assert result.token_ids == _solo(runtime, PROMPTS[0], 60)          # greedy identity with skipping
     steps = result.stats.rounds
@@ -98,13 +98,13 @@ def test_async_with_a_cheap_drafter_never_skips(runtime):  # noqa: F811
 def _draft_feeds(gen):
     """Record (context_lens, start_positions, context keys of layer 0) of every drafter block call."""
     feeds = []
-    real = gen._infer
+    real = gen.stages.infer
 
     def infer(runner, feed):
         if runner.key.graph == "drafter_block":
             feeds.append((feed["context_lens"].copy(), feed["start_positions"].copy(), feed["context_key.0"].copy()))
         return real(runner, feed)
-    gen._infer = infer
+    gen.stages.infer = infer
     return feeds
 
 
@@ -116,14 +116,14 @@ def test_skipped_steps_pay_no_drafter_cost_and_drafts_see_the_full_context(runti
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     feeds = _draft_feeds(gen)
     graphs = []
-    real = gen._infer
-    gen._infer = lambda runner, feed: graphs.append(runner.key.graph) or real(runner, feed)
+    real = gen.stages.infer
+    gen.stages.infer = lambda runner, feed: graphs.append(runner.key.graph) or real(runner, feed)
     rid = gen.submit(PROMPTS[2], SamplingParams(max_new_tokens=40))
     skipped_steps = 0
     while gen.has_work():
         before, n0 = gen.drafts_skipped, len(graphs)
         gen.step()
-        state = gen._requests[rid]
+        state = gen.batch.requests[rid]
         if gen.drafts_skipped > before:
             skipped_steps += 1
             assert set(graphs[n0:]) == {"target", "verify"}         # an ar step: no drafter engine ran
@@ -150,15 +150,15 @@ def test_the_backlog_is_bounded_by_the_largest_context_bucket(runtime):  # noqa:
     prompt = (PROMPTS[0] * 20)[:gen.max_context - 21]
     assert len(prompt) > gen.max_tokens >= limit
     graphs = []
-    real = gen._infer
-    gen._infer = lambda runner, feed: graphs.append(runner.key.graph) or real(runner, feed)
+    real = gen.stages.infer
+    gen.stages.infer = lambda runner, feed: graphs.append(runner.key.graph) or real(runner, feed)
     rid = gen.submit(prompt, SamplingParams(max_new_tokens=20))
     peak, flushed_while_prefilling = 0, False
     while gen.has_work():
         n0 = len(graphs)
-        decoding = gen._requests[rid].decoding
+        decoding = gen.batch.requests[rid].decoding
         gen.step()
-        state = gen._requests[rid]
+        state = gen.batch.requests[rid]
         flushed_while_prefilling |= not decoding and "drafter_context" in graphs[n0:]
         peak = max(peak, state.backlog_rows)
         assert state.backlog_rows < 2 * limit
@@ -172,8 +172,8 @@ def test_mean_survival_capacity_worked_example():
     assert mean_survival_capacity((hi + lo) / 2, 1, p) == 3
     # Θ_3 / Θ_0 = 47.7 / 40 = 1.19: kept with a 15 % margin, not with the runtime's 20 %
     assert mean_survival_capacity((hi + lo) / 2, 1, p, margin=0.15) == 3
-    assert mean_survival_capacity((hi + lo) / 2, 1, p, margin=generator._SKIP_MARGIN) == 0
-    assert mean_survival_capacity(hi, 1, p, margin=generator._SKIP_MARGIN) == 4      # a clear win stays
+    assert mean_survival_capacity((hi + lo) / 2, 1, p, margin=draft_control._SKIP_MARGIN) == 0
+    assert mean_survival_capacity(hi, 1, p, margin=draft_control._SKIP_MARGIN) == 4      # a clear win stays
     assert mean_survival_capacity(lo, 1, p) == 0 and dspark_async_capacity(np.full((1, 4), 0.05, np.float32), 1, p) == 0
     assert mean_survival_capacity(hi, 1, p) == 4
     # per request, not averaged: one good request among three poor ones is worth drafting for
@@ -210,7 +210,7 @@ def test_async_skip_follows_the_mean_not_one_unlucky_step(runtime, monkeypatch):
     """Confidences alternating between 0.95 and 0.05: drafting pays on average (K* = 3 on the mean, see
     the worked example), so dspark-async keeps drafting, though every other step alone says K* = 0.
     (Without the skip margin: that average gain is 19 %, under the runtime's 20 %.)"""
-    monkeypatch.setattr(generator, "_SKIP_MARGIN", 0.0)
+    monkeypatch.setattr(draft_control, "_SKIP_MARGIN", 0.0)
     drafter = _AlternatingConfidence()
     gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
@@ -256,7 +256,7 @@ def test_a_probe_restarts_the_estimate(runtime, monkeypatch):  # noqa: F811
     """Confidence 0.05 for the first drafts, then 0.95: the first probe after the change switches the
     drafter back on (the probe's own survivals, not a mean still dominated by the old ones). Without the
     skip margin: the probe's mean of one 0.05 step and one 0.95 step gains 19 %, under the runtime's 20 %."""
-    monkeypatch.setattr(generator, "_SKIP_MARGIN", 0.0)
+    monkeypatch.setattr(draft_control, "_SKIP_MARGIN", 0.0)
     drafter = _ScriptedConfidence(lambda call, s: 0.05 if call < 2 else 0.95)
     gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
@@ -277,19 +277,19 @@ def test_a_probe_restarts_the_estimate(runtime, monkeypatch):  # noqa: F811
 def test_ar_keeps_no_backlog_and_finished_requests_free_theirs(runtime):  # noqa: F811
     gen = Generator(runtime.engines, parse_policy("ar"))
     graphs = []
-    real = gen._infer
-    gen._infer = lambda runner, feed: graphs.append(runner.key.graph) or real(runner, feed)
+    real = gen.stages.infer
+    gen.stages.infer = lambda runner, feed: graphs.append(runner.key.graph) or real(runner, feed)
     rid = gen.submit(PROMPTS[1], SamplingParams(max_new_tokens=12))
     while gen.has_work():
         gen.step()
-        state = gen._requests[rid]
+        state = gen.batch.requests[rid]
         assert state.backlog == [] and state.backlog_rows == 0
     assert "drafter_context" not in graphs and "drafter_block" not in graphs
     spec = Generator(runtime.engines, parse_policy("fixed:2"))
     rid = spec.submit(PROMPTS[1], SamplingParams(max_new_tokens=12))
     while spec.has_work():
         spec.step()
-    state = spec._requests[rid]
+    state = spec.batch.requests[rid]
     assert state.done and state.backlog == [] and state.backlog_rows == 0
 
 
@@ -299,24 +299,24 @@ def test_the_calibration_bias_reaches_the_policy(runtime):  # noqa: F811
     seen = {}
 
     def recording(gen, tag):
-        real = gen._draft
+        real = gen.stages.draft
 
         def draft(active, flushed):
             out = real(active, flushed)
             seen.setdefault(tag, []).append(np.array(out["confidence"][[s.slot for s in active]], np.float64))
             return out
-        gen._draft = draft
+        gen.stages.draft = draft
 
     plain = Generator(runtime.engines, parse_policy("fixed:2"))
     biased = Generator(runtime.engines, parse_policy("fixed:2"))
-    biased.confidence_bias = np.array([1.0, -1.0, 0.5, 0.0])
+    biased.stages.confidence_bias = np.array([1.0, -1.0, 0.5, 0.0])
     recording(plain, "plain")
     recording(biased, "biased")
     a = plain.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=12)])[0]
     b = biased.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=12)])[0]
     assert a.token_ids == b.token_ids
     c = np.clip(seen["plain"][0], 1e-7, 1 - 1e-7)
-    expected = 1 / (1 + np.exp(-(np.log(c / (1 - c)) + biased.confidence_bias)))
+    expected = 1 / (1 + np.exp(-(np.log(c / (1 - c)) + biased.stages.confidence_bias)))
     np.testing.assert_allclose(seen["biased"][0], expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(seen["biased"][0], seen["plain"][0])
 
@@ -327,16 +327,16 @@ def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F81
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 16), draft_ms=(20.0, 90.0))
     # R = S = 1: 2 × 20 ms × 40 steps/s / 0.05 = 32; R = S = 16: 2 × 90 ms × 16 / 0.05 = 57.6 → 58
-    assert gen._probe_floor(1, 1) == 32 and gen._probe_floor(16, 16) == 58
+    assert gen.controller.probe_floor(1, 1) == 32 and gen.controller.probe_floor(16, 16) == 58
     # R = 1 in 16 slots: the block runs over all 16 (d = 90 ms) while a skipped step is SPS(1)'s: 144
-    assert gen._probe_floor(1, 16) == 144
+    assert gen.controller.probe_floor(1, 16) == 144
     gen.profile = ThroughputProfile((1, 2), (1e300, 1e300), draft_requests=(1,), draft_ms=(1e300,))
-    assert gen._probe_floor(1, 1) == generator._FLOOR_CAP               # finite however absurd the profile
-    assert gen._probe_floor(4, 4) == generator._MAX_PROBE_INTERVAL       # past the largest bucket: SPS 0
+    assert gen.controller.probe_floor(1, 1) == draft_control._FLOOR_CAP               # finite however absurd the profile
+    assert gen.controller.probe_floor(4, 4) == draft_control._MAX_PROBE_INTERVAL       # past the largest bucket: SPS 0
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     calls = []
-    real = gen._draft
-    gen._draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    real = gen.stages.draft
+    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])[0]
     assert result.token_ids == _solo(runtime, PROMPTS[0], 60)
     assert len(calls) == 1 and gen.drafts_skipped == result.stats.rounds - 1
@@ -353,7 +353,7 @@ def test_async_prices_the_drafter_over_every_slot_while_others_prefill(runtime):
     ids = [gen.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]
     ramp = []                                  # per step while others prefill: (decoding requests, drafted)
     while gen.has_work():
-        decoding = sum(s is not None and s.decoding for s in gen._slots)
+        decoding = sum(s is not None and s.decoding for s in gen.batch.slots)
         before = drafter.calls
         gen.step()
         if 0 < decoding < len(prompts) and gen.num_slots == 4:
@@ -370,16 +370,16 @@ def test_probe_floor_uses_the_drafter_blocks_own_time(runtime):  # noqa: F811
 
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 16), draft_ms=(20.0, 90.0))
-    assert gen._probe_floor(1, 1) == 32                                  # 2 × 20 ms × 40 steps/s / 0.05
-    real = gen._draft
+    assert gen.controller.probe_floor(1, 1) == 32                                  # 2 × 20 ms × 40 steps/s / 0.05
+    real = gen.stages.draft
 
     def slow(active, flushed):
         time.sleep(0.2)
         return real(active, flushed)
 
-    gen._draft = slow
+    gen.stages.draft = slow
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=4)])[0]
     assert result.token_ids == _solo(runtime, PROMPTS[0], 4)
-    assert gen._draft_wall[1] >= 0.2
-    assert gen._probe_floor(1, 1) >= 320                                 # 2 × 200 ms × 40 / 0.05
-    assert gen._probe_floor(16, 16) == 58                                # no measurement at S = 16 yet
+    assert gen.controller.draft_wall[1] >= 0.2
+    assert gen.controller.probe_floor(1, 1) >= 320                                 # 2 × 200 ms × 40 / 0.05
+    assert gen.controller.probe_floor(16, 16) == 58                                # no measurement at S = 16 yet

@@ -52,7 +52,7 @@ def _one_slot_pass(gen, runner, feed) -> bool:
 def _run_long(gen, infer, check: bool = True) -> int:
     """Route the generator's engine calls through `infer`, submit the long prompt and run every request to
     the end (checking the cache lengths after each step with `check`); returns the long request's id."""
-    gen._infer = infer
+    gen.stages.infer = infer
     c = gen.submit(P["long"], SamplingParams(max_new_tokens=N["long"]))
     while gen.has_work():
         gen.step()
@@ -72,7 +72,7 @@ def _short_decoding(rt, policy):
 def _on_first_one_slot_pass(gen, change):
     """An `_infer` for `gen` that calls change(real_infer, runner, feed) in place of the engine on the first
     one-slot target pass only; returns (infer, hit), hit["n"] counting those calls."""
-    real, hit = gen._infer, {"n": 0}
+    real, hit = gen.stages.infer, {"n": 0}
 
     def infer(runner, feed):
         if _one_slot_pass(gen, runner, feed) and not hit["n"]:
@@ -83,13 +83,13 @@ def _on_first_one_slot_pass(gen, change):
 
 
 def count_passes(gen, log):
-    real = gen._infer
+    real = gen.stages.infer
 
     def infer(runner, feed):
         if runner.key.graph == "target":
             log.append((gen.num_slots, len(feed["cache_lens"]), int(feed["input_ids"].shape[0])))
         return real(runner, feed)
-    gen._infer = infer
+    gen.stages.infer = infer
 
 
 @pytest.mark.parametrize("policy", ["ar", "fixed:4", "fixed:2", "dspark", "dspark-async", "self:fixed:4"])
@@ -142,7 +142,7 @@ def test_fault_in_one_slot_pass_fails_only_that_request(runtime, policy, where):
     b = gen.submit(P["short2"], SamplingParams(max_new_tokens=N["short2"]))
     for _ in range(2):
         gen.step()
-    real = gen._infer
+    real = gen.stages.infer
     hit = {"n": 0}
 
     def infer(runner, feed):
@@ -244,7 +244,7 @@ def test_nan_in_shared_pass_error_names_the_shared_engine(runtime):  # noqa: F81
     b = gen.submit(P["short2"], SamplingParams(max_new_tokens=N["short2"]))
     for _ in range(2):
         gen.step()
-    real = gen._infer
+    real = gen.stages.infer
     keys = []
 
     def infer(runner, feed):
@@ -256,10 +256,10 @@ def test_nan_in_shared_pass_error_names_the_shared_engine(runtime):  # noqa: F81
                 out["logits"] = out["logits"].copy()
                 out["logits"][0] = np.nan          # first logit row: slot 0's decode row
         return out
-    gen._infer = infer
+    gen.stages.infer = infer
     c = gen.submit(P["long"], SamplingParams(max_new_tokens=N["long"]))
     gen.step()
-    gen._infer = real
+    gen.stages.infer = real
     while gen.has_work():
         gen.step()
     assert len(keys) == 2 and keys[0][0] > 1 and keys[1][0] == 1, keys

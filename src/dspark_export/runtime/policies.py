@@ -20,6 +20,7 @@ import numpy as np
 
 from ..engines.sps import ThroughputProfile
 from ..errors import ConfigError, RequestError
+from .draft_control import DraftController, SkipController
 from .scheduler import dspark_async_lengths, dspark_lengths
 
 __all__ = ["Policy", "parse_policy", "ar_lengths", "fixed_lengths", "threshold_lengths",
@@ -78,6 +79,14 @@ class Policy:
     def needs_profile(self) -> bool:
         """Whether verify_lengths needs the throughput profile SPS(B)."""
         return self.name in ("dspark", "dspark-async")
+
+    def draft_controller(self, profile: ThroughputProfile | None, block_size: int) -> DraftController:
+        """What decides, step by step, whether the drafter runs (`runtime.draft_control`): dspark-async with
+        a drafter cost in its profile skips the drafter block when drafting does not pay; every other policy
+        drafts every step when it drafts at all."""
+        if self.name == "dspark-async" and profile is not None and profile.has_draft_cost:
+            return SkipController(profile, block_size)
+        return DraftController(self.drafts)
 
     def verify_lengths(self, confidence: np.ndarray | None, block_size: int,
                        profile: ThroughputProfile | None = None, lagged_confidence: np.ndarray | None = None,

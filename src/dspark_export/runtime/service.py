@@ -164,7 +164,7 @@ class Service:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError) as e:
                 raise RequestError(f"prompt: expected text or a list of token ids ({e})") from e
-        gen._check_request(ids, params)          # raise here, synchronously, instead of an error result
+        gen.check_request(ids, params)          # raise here, synchronously, instead of an error result
         with self._lock:
             rid, self._next_id = self._next_id, self._next_id + 1
             self._counts["submitted"] += 1
@@ -248,7 +248,7 @@ class Service:
                     del self._generators[key]
             mine = [(local, rid) for (gid, local), rid in self._by_local.items() if gid == id(gen)]
         for local, _ in mine:
-            state = gen._requests.get(local)
+            state = gen.batch.requests.get(local)
             if state is not None:
                 state.result.finish_reason, state.result.error = "error", reason
                 self._on_token(gen, local, [], state.result)
@@ -279,4 +279,4 @@ class Service:
                 self._counts["cancelled"] += result.finish_reason == "cancelled"
                 del self._by_local[(id(gen), local_id)]
                 del self._tracked[rid]
-                gen._requests.pop(local_id, None)    # the generator keeps results until asked; we deliver them
+                gen.batch.requests.pop(local_id, None)    # the generator keeps results until asked; we deliver them

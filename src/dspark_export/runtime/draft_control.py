@@ -1,0 +1,153 @@
+"""When the drafter runs, and the lagged confidences the policies read; a policy makes its own controller
+(`Policy.draft_controller`).
+
+`DraftController` (every policy): a policy that drafts drafts every step. `SkipController` (dspark-async
+with a known drafter cost): skips the drafter block on steps where drafting does not pay and probes it
+now and then for fresh confidences. Both keep the confidences of the last two drafted steps, which
+dspark-async's lagged capacity reads (paper §5.2). Dimension letters: R decoding requests, S slots (the
+drafter block runs over every slot), γ draft block size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..engines.sps import ThroughputProfile
+from .scheduler import mean_survival_capacity, survival_probs
+
+__all__ = ["DraftController", "SkipController"]
+
+_MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps between drafter probes
+_SURVIVAL_EMA = 0.25   # dspark-async skip decision: least weight of the newest drafted step in the mean
+_PROBE_STEPS = 2       # dspark-async: drafted steps per probe (the mean restarts from them)
+_SKIP_MARGIN = 0.2     # dspark-async: draft only when the expected throughput gain is at least this fraction
+_PROBE_OVERHEAD = 0.05  # dspark-async: probes' drafter time, at most this fraction of the skipped steps' time
+_FLOOR_CAP = 10**6     # the most skipped steps `probe_floor` asks for
+
+
+class DraftController:
+    """Drafts every step when the policy drafts at all; keeps the last two steps' confidences.
+
+    Args:
+        drafts: whether the policy uses the drafter (`Policy.drafts`).
+    """
+
+    def __init__(self, drafts: bool):
+        self.drafts = drafts
+        self.history: list[np.ndarray] = []  # confidences [R, γ] of the last two drafted steps
+        self.drafts_skipped = 0  # steps whose drafter block was skipped, for benchmarks
+        self.draft_wall: dict[int, float] = {}  # slots S -> running mean of the drafter block's wall time, s
+
+    def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
+        """Whether this step runs the drafter block for `num_requests` decoding requests in `num_slots` slots
+        (`step_profile`: the profile bound to the step's layout, or None)."""
+        return self.drafts
+
+    def lagged(self) -> np.ndarray | None:
+        """The confidences [R', γ] of two drafted steps ago, or None (dspark-async's lagged capacity)."""
+        return self.history[0] if len(self.history) == 2 else None
+
+    def observe(self, confidence: np.ndarray) -> None:
+        """Record the confidences [R, γ] the policy saw in a committed drafted step."""
+        self.history = (self.history + [confidence])[-2:]
+
+    def observe_draft_time(self, num_slots: int, seconds: float) -> None:
+        """Fold one drafter block's wall time at S slots into its running mean (weight _SURVIVAL_EMA for the
+        newest), for `SkipController.probe_floor`."""
+        old = self.draft_wall.get(num_slots)
+        self.draft_wall[num_slots] = seconds if old is None else (1 - _SURVIVAL_EMA) * old + _SURVIVAL_EMA * seconds
+
+    def reset(self) -> None:
+        """Forget the lagged confidences (their rows no longer line up with the requests after a resize)."""
+        self.history = []
+
+
+class SkipController(DraftController):
+    """dspark-async with a known drafter cost: skip the drafter block when drafting does not pay.
+
+    A step skips the drafter when the capacity K* for the current R requests, each given the running
+    mean survival of earlier drafted steps (averaged over their requests; `scheduler.mean_survival_capacity`),
+    is 0, or its expected throughput beats not drafting by less than _SKIP_MARGIN (20 %). The drafter
+    block is priced at d(S) for the S slots it runs over, not d(R): while a batch fills, most slots are
+    still prefilling.
+
+    Why the margin: the profile underprices a drafted step in the loop (the drafter block ran 1.3-2 × its
+    profiled d(R), plus the context flush and output checks), and on serving prompts the calibrated
+    confidences can overrate position 1; both push a marginal decision toward drafting
+    (reports/measurement_history.md, "dspark-async skip margin").
+
+    Why a running mean: one step's survivals are noisy (at R = 1 they swing from ~0 to ~1 between tokens),
+    and a rule on them switched a drafter that pays on average off for whole probe intervals. Why averaged
+    over requests rather than per request: a per-request mean rests on a few noisy drafted steps, and the
+    best of R such estimates overrates its request (reports/measurement_history.md). The cost: one request
+    worth drafting for among many that are not is not drafted for. (Which positions a drafted step
+    verifies is still §5.2's lagged capacity, per request.)
+
+    Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs for a
+    probe of _PROBE_STEPS = 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
+    mean restarts from them. The interval doubles after each probe that ends in another skip (4, 8, ...,
+    64 steps) and drops back to 4 when drafting pays again; it is never shorter than `probe_floor(R, S)`,
+    which keeps the probes' drafter time within 5 % of the skipped steps'. A skipped step runs no drafter
+    block, and no drafter context unless a backlog reaches the largest context bucket: its committed rows
+    wait in the request's backlog, which the next draft flushes first, so the drafter never works from a
+    stale context (failure case SD-20). This is scheduling bookkeeping, not request state: a step retried
+    after an engine error may count a skip twice, which only moves the next probe earlier.
+
+    Args:
+        profile: the engine directory's profile (with drafter rows: `has_draft_cost`).
+        block_size: γ.
+    """
+
+    def __init__(self, profile: ThroughputProfile, block_size: int):
+        super().__init__(drafts=True)
+        self.profile, self.block_size = profile, block_size
+        self.skipped, self.probe_interval = 0, _MIN_PROBE_INTERVAL
+        self.probe_left = 0  # drafted steps left in the current probe
+        # [γ] running mean over drafted steps of the request-averaged survival, and the steps in it since
+        # the last probe (the newest weighs max(1/n, _SURVIVAL_EMA))
+        self.survival_mean: np.ndarray | None = None
+        self.survival_n = 0
+
+    def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
+        if self.probe_left > 0:
+            self.probe_left -= 1
+            return True
+        R = num_requests
+        if self.skipped >= max(self.probe_interval, self.probe_floor(R, num_slots)):
+            self.history, self.skipped, self.survival_n = [], 0, 0
+            self.probe_interval = min(2 * self.probe_interval, _MAX_PROBE_INTERVAL)
+            self.probe_left = _PROBE_STEPS - 1
+            return True
+        if self.survival_mean is None:
+            return True
+        if mean_survival_capacity(np.broadcast_to(self.survival_mean, (R, self.block_size)), R,
+                                  step_profile, _SKIP_MARGIN, draft_slots=num_slots) > 0:
+            self.probe_interval = _MIN_PROBE_INTERVAL
+            return True
+        self.skipped += 1
+        self.drafts_skipped += 1
+        return False
+
+    def observe(self, confidence: np.ndarray) -> None:
+        """Also fold the step's request-averaged survival [γ] into the running mean."""
+        super().observe(confidence)
+        m = survival_probs(confidence).mean(axis=0)
+        self.survival_n += 1
+        w = max(1.0 / self.survival_n, _SURVIVAL_EMA)
+        self.survival_mean = m if self.survival_n == 1 else (1 - w) * self.survival_mean + w * m
+
+    def probe_floor(self, num_requests: int, num_slots: int) -> int:
+        """The fewest skipped steps between probes for R requests in S slots: enough that a probe's drafter
+        blocks cost at most _PROBE_OVERHEAD of the skipped steps' time,
+        ⌈_PROBE_STEPS · d(S) · SPS(R) / _PROBE_OVERHEAD⌉ (d(S) the drafter block's latency in s, which runs
+        over every slot; SPS(R) the target's steps/s at B = R rows; both from the profile). It may exceed
+        the doubling's 64: a drafter that costs 10 target steps is probed every 400 skipped steps (at most
+        _FLOOR_CAP, so absurd profiles stay finite). d(S) is the larger of the profile's and the drafter
+        block's own wall time in this generator's earlier steps at S slots (`observe_draft_time`): in the
+        loop the block can run well above its profiled latency. The probe's context flush is not counted:
+        it pays for rows the skipped steps committed, in proportion to the gap, so no gap makes it smaller."""
+        d, sps = max(self.profile.draft_seconds(num_slots), self.draft_wall.get(num_slots, 0.0)), \
+            self.profile.sps(num_requests)
+        if not sps > 0:
+            return _MAX_PROBE_INTERVAL
+        return int(np.ceil(min(_PROBE_STEPS * d * sps / _PROBE_OVERHEAD, _FLOOR_CAP)))

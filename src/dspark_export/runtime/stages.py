@@ -1,0 +1,282 @@
+"""The engine calls of one speculative step, each with its feeds and its output checks: drafter context,
+drafter block, target pass, verify, and the rows a step commits.
+
+Every method runs engines and reads the batch, but changes no request's state or valid cache length:
+drafter-context rows are written past each slot's valid length, and `Generator._apply` makes a step's
+results valid. Rows whose engine outputs fail a check (`faults`) are recorded in the round's `failed`
+and leave the step. Dimension letters: S slots, γ draft block size, V vocab, n rows, F tapped features,
+kvH KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..engines.engine_set import EngineSet
+from ..engines.packing import PackedBatch, Segment, pack_segments
+from ..errors import EngineRunError
+from . import faults
+from .batch import Batch, RequestState
+
+__all__ = ["EngineStages", "Round", "Commit"]
+
+
+@dataclass
+class Commit:
+    """Rows one step commits: slot of each row [n] int64 (a slot's rows in position order), per layer the
+    target's new K/V [n, kvH, D], and for the drafter-context backlog the rows' tapped features aux [n, F]
+    float32 and positions [n] int64 (None when the policy never drafts)."""
+
+    slots: np.ndarray
+    target_keys: list[np.ndarray]
+    target_values: list[np.ndarray]
+    aux: np.ndarray | None = None
+    positions: np.ndarray | None = None
+
+
+@dataclass
+class Round:
+    """One step's computed outcome, before it is committed (`Generator._apply`). Per-slot values are dense
+    [S] arrays; `failed` maps the slots whose engine outputs failed a check to the reason."""
+
+    active: list[RequestState]
+    verify_lens: np.ndarray                       # [S] int64 drafts each slot verifies (0 elsewhere)
+    decoding: list[RequestState] = field(default_factory=list)
+    finishing: list[RequestState] = field(default_factory=list)  # requests whose prefill ends this step
+    prefill: dict[int, int] = field(default_factory=dict)  # slot -> prompt tokens prefilled after this step
+    drafts: dict | None = None
+    conf: np.ndarray | None = None                # [R, γ] confidences the policy saw
+    failed: dict[int, str] = field(default_factory=dict)
+    num_accepted: np.ndarray | None = None        # [S] int64
+    next_ids: np.ndarray | None = None            # [S] int64
+    commit: Commit | None = None
+    flushed: dict[int, int] = field(default_factory=dict)  # slot -> drafter context length after the flush
+
+    def live(self, states: list[RequestState]) -> list[RequestState]:
+        """The requests of `states` no check has failed."""
+        return [s for s in states if s.slot not in self.failed]
+
+
+class EngineStages:
+    """The engine calls of a step over a batch's slots.
+
+    Args:
+        engines: the loaded engines.
+        batch: the slots and KV caches the calls read and write.
+        block_size, vocab_size: γ and V.
+        drafts: whether the policy drafts (then committed rows keep their features for the drafter context).
+        sts: [γ] float32 the STS temperatures the drafter block divides its confidence logits by.
+        confidence_bias: [γ] float64 per-position calibration bias b_k (`training.calibration`), applied to
+            the drafter block's confidence: σ(logit(c) + b); all 0 for manifests without one.
+        drafter: replaces the DSpark drafter block: drafter(generator, active states) → drafts (see
+            `Generator`); `generator` is what it receives as its first argument.
+    """
+
+    def __init__(self, engines: EngineSet, batch: Batch, block_size: int, vocab_size: int, drafts: bool,
+                 sts: np.ndarray, confidence_bias: np.ndarray, drafter: Callable | None = None, generator=None):
+        self.engines, self.batch = engines, batch
+        self.block_size, self.vocab_size, self.drafts = block_size, vocab_size, drafts
+        self.sts, self.confidence_bias = sts, confidence_bias
+        self.drafter, self.generator = drafter, generator
+        self.max_tokens = engines.buckets("target")[-1]
+        self.last_key: dict[str, str] = {}   # graph -> path of the engine last called (for messages)
+        self._zeros: np.ndarray | None = None
+
+    def infer(self, runner, feed: dict) -> dict[str, np.ndarray]:
+        """runner.infer, turning any failure into EngineRunError naming the engine."""
+        self.last_key[runner.key.graph] = runner.key.path
+        try:
+            return runner.infer(feed)
+        except Exception as e:  # ORT raises its own Fail/RuntimeException/... types
+            raise EngineRunError(f"engine {runner.key.path} failed ({type(e).__name__}: {e})") from e
+
+    def _engine(self, graph: str) -> str:
+        return self.last_key.get(graph, graph)
+
+    # -- drafter ---------------------------------------------------------------------------------
+    def flush_context(self, rnd: Round, states: list[RequestState]) -> dict[int, int]:
+        """Run the backlog of `states` through the drafter context engine and write the K/V rows into the
+        drafter cache PAST each slot's valid length (`KVCache.write`); `_apply` makes them valid. A failed
+        step therefore leaves the cache as it was. Slots whose context rows come back non-finite fail.
+
+        Returns:
+            {slot: drafter context length once the step commits} for the flushed slots that did not fail
+            (the `context_lens` the drafter block reads this step).
+        """
+        if not states:
+            return {}
+        aux = np.concatenate([a for s in states for a, _ in s.backlog])
+        positions = np.concatenate([p for s in states for _, p in s.backlog])
+        slots = np.concatenate([np.full(s.backlog_rows, s.slot, np.int64) for s in states])
+        keys, values = self.context_rows(aux, positions)
+        rnd.failed.update(faults.check_rows(slots, keys + values, self._engine("drafter_context")))
+        good = ~np.isin(slots, np.array(sorted(rnd.failed), np.int64))
+        draft_kv = self.batch.draft_kv
+        draft_kv.write(slots[good], [k[good] for k in keys], [v[good] for v in values])
+        return {s.slot: int(draft_kv.lens[s.slot]) + s.backlog_rows for s in states if s.slot not in rnd.failed}
+
+    def context_rows(self, aux: np.ndarray, positions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Drafter context K/V [n, kvH, D] per drafter layer for committed rows aux [n, F] at `positions`."""
+        step = self.engines.buckets("drafter_context")[-1]
+        L = self.batch.draft_kv.num_layers
+        keys, values = [[] for _ in range(L)], [[] for _ in range(L)]
+        for a in range(0, len(aux), step):
+            n = min(step, len(aux) - a)
+            runner = self.engines.runner("drafter_context", n)
+            b = runner.key.bucket
+            feed_aux = np.zeros((b, aux.shape[1]), np.float32)
+            feed_aux[:n] = aux[a:a + n]
+            feed_pos = np.zeros(b, np.int64)
+            feed_pos[:n] = positions[a:a + n]
+            out = self.infer(runner, {"aux_hidden": feed_aux, "position_ids": feed_pos})
+            for i in range(L):
+                keys[i].append(out[f"context_key.{i}"][:n])
+                values[i].append(out[f"context_value.{i}"][:n])
+        return [np.concatenate(k) for k in keys], [np.concatenate(v) for v in values]
+
+    def propose(self, rnd: Round, decoding: list[RequestState]) -> tuple[dict, float]:
+        """`draft` for the decoding requests, its wall time in s, and the check of its outputs."""
+        t0 = time.perf_counter()
+        drafts = self.draft(decoding, rnd.flushed)
+        seconds = time.perf_counter() - t0
+        rnd.failed.update(faults.check_drafts(drafts, decoding, self.vocab_size, self._engine("drafter_block")))
+        return drafts, seconds
+
+    def draft(self, active: list[RequestState], flushed: dict[int, int]) -> dict[str, np.ndarray]:
+        """Drafts for every slot: {"draft_ids" [S, γ] int64, "draft_logits" [S, γ, V] float32,
+        "confidence" [S, γ] float32}; rows of slots not in `active` are ignored. `flushed`: the drafter
+        context lengths this step's flush reaches (`flush_context`); every active request's backlog has
+        been flushed, so its context covers every position before its anchor."""
+        if self.drafter is not None:
+            return self.drafter(self.generator, active)
+        S = self.batch.num_slots
+        anchors = np.zeros(S, np.int64)
+        starts = np.zeros(S, np.int64)
+        uniforms = np.zeros((S, self.block_size), np.float32)
+        for s in active:
+            anchors[s.slot], starts[s.slot] = s.anchor, s.start
+            uniforms[s.slot] = s.rng.random(self.block_size, dtype=np.float32)
+        context_lens = self.batch.draft_kv.lens.copy()
+        for slot, n in flushed.items():
+            context_lens[slot] = n
+        feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": context_lens,
+                **self.batch.draft_kv.feed("context_key", "context_value"), **self.batch.sampling(active),
+                "uniforms": uniforms, "confidence_temperature": self.sts}
+        out = self.infer(self.engines.runner("drafter_block", S), feed)
+        if self.confidence_bias.any():
+            c = np.clip(np.asarray(out["confidence"], np.float64), 1e-7, 1 - 1e-7)   # NaN stays NaN (fault check)
+            z = np.log(c) - np.log1p(-c) + self.confidence_bias
+            out = {**out, "confidence": (1.0 / (1.0 + np.exp(-z))).astype(np.float32)}
+        return out
+
+    # -- target ----------------------------------------------------------------------------------
+    def target_pass(self, rnd: Round, segments: list[Segment]) -> tuple[PackedBatch, dict[str, np.ndarray]]:
+        """Run the step's segments through the target (`split_passes`); slots with non-finite rows fail."""
+        packed, out = self.split_passes(segments)
+        rnd.failed.update(faults.check_target(packed, out, segments, self.batch.target_kv.num_layers,
+                                              self._engine("target")))
+        return packed, out
+
+    def split_passes(self, segments: list[Segment]) -> tuple[PackedBatch, dict[str, np.ndarray]]:
+        """Run the step's segments through the target; returns (where each slot's rows and logits landed,
+        the outputs), as one packed pass would.
+
+        When at most max(1, S // 4) segments are longer than a verification block (prefill chunks), each of
+        them runs in a pass of its own over its slot alone and the rest share one pass. That slot's cache is
+        trimmed to its valid entries rounded up to 64 (`KVCache.feed(trim=True)`, a copy of one slot),
+        because attention runs over every entry of the buffer. Why split: the graph's attention pads every
+        slot's query to the longest one ([S, Q], `pad_index`), so a long chunk next to S decode rows costs
+        S × its length query rows of attention over the whole cache. Each split costs one more weight read
+        of the target, so when many slots prefill together (most of the S rows are long anyway) they stay
+        in one pass (reports/measurement_history.md, "split target passes"). Each slot's rows are reported
+        with the engine that computed them (`PackedBatch.engines`).
+        """
+        kv = self.batch.target_kv
+        for seg in segments:
+            kv.reserve(int(kv.lens[seg.slot]) + len(seg.token_ids))
+        long = [len(seg.token_ids) > self.block_size + 1 for seg in segments]
+        split = sum(long) <= max(1, self.batch.num_slots // 4)
+        alone = [seg for seg, is_long in zip(segments, long) if split and is_long]
+        shared = [seg for seg, is_long in zip(segments, long) if not (split and is_long)]
+        passes = [self.target_run(shared, None)] if shared else []
+        passes += [self.target_run([seg], seg.slot) for seg in alone]
+        if len(passes) == 1:
+            return passes[0]
+        row_start, logit_start, engines, outs, rows, logits = {}, {}, {}, [], 0, 0
+        for packed, out in passes:
+            row_start.update({slot: a + rows for slot, a in packed.row_start.items()})
+            logit_start.update({slot: a + logits for slot, a in packed.logit_start.items()})
+            engines.update(packed.engines)
+            rows, logits = rows + out["aux_hidden"].shape[0], logits + out["logits"].shape[0]
+            outs.append(out)
+        merged = {name: np.concatenate([out[name] for out in outs]) for name in outs[0]}
+        return PackedBatch({}, row_start, logit_start, sum(p.num_real_tokens for p, _ in passes),
+                           engines=engines), merged
+
+    def target_run(self, segments: list[Segment], slot: int | None) -> tuple[PackedBatch, dict[str, np.ndarray]]:
+        """One target pass: over every slot of the cache (slot None), or over `slot` alone (one segment; the
+        pass sees that slot's cache trimmed to its valid entries, [1, kvH, P, D], and its rows are reported
+        under `slot`)."""
+        runner = self.engines.runner("target", sum(len(seg.token_ids) for seg in segments))
+        kv = self.batch.target_kv
+        if slot is None:
+            packed = pack_segments(segments, self.batch.num_slots, kv.lens, runner.key.bucket)
+            packed.engines = {seg.slot: str(runner.key.path) for seg in segments}
+            return packed, self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value")})
+        seg = segments[0]
+        packed = pack_segments([Segment(0, seg.token_ids, seg.start_position, seg.logits)], 1,
+                               kv.lens[slot:slot + 1], runner.key.bucket)
+        out = self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", slot, trim=True)})
+        return PackedBatch({}, {slot: packed.row_start[0]},
+                           {slot: packed.logit_start[0]} if 0 in packed.logit_start else {},
+                           packed.num_real_tokens, engines={slot: str(runner.key.path)}), out
+
+    # -- verify and commit -----------------------------------------------------------------------
+    def verify(self, rnd: Round, states: list[RequestState], rows: dict[int, np.ndarray]):
+        """SpeculativeVerify over all slots (slots without rows get one inert zero row): [S] accepted drafts
+        and [S] next token ids; slots whose values are out of range fail."""
+        S, V, g = self.batch.num_slots, self.vocab_size, self.block_size
+        blocks = [rows.get(slot, np.zeros((1, V), np.float32)) for slot in range(S)]
+        lens = np.array([rnd.verify_lens[slot] if slot in rows else 0 for slot in range(S)], np.int64)
+        uniforms = np.zeros((S, g + 1), np.float32)
+        for s in states:
+            uniforms[s.slot] = s.rng.random(g + 1, dtype=np.float32)
+        drafts = rnd.drafts
+        draft_logits = drafts["draft_logits"] if drafts else self._zero_draft_logits()
+        if drafts and rnd.failed:   # a failed slot's (maybe NaN) drafts must not reach the op at all
+            draft_logits = draft_logits.copy()
+            draft_logits[sorted(rnd.failed)] = 0.0
+        feed = {"target_logits": np.concatenate(blocks).astype(np.float32, copy=False),
+                "query_start": np.concatenate([[0], np.cumsum(lens + 1)]).astype(np.int64),
+                "draft_ids": np.clip(drafts["draft_ids"], 0, V - 1) if drafts else np.zeros((S, g), np.int64),
+                "draft_logits": draft_logits,
+                "verify_lens": lens, **self.batch.sampling(states), "uniforms": uniforms}
+        out = self.infer(self.engines.runner("verify", S), feed)
+        rnd.failed.update(faults.check_verify(out["num_accepted"], out["next_ids"], rnd.verify_lens, states,
+                                              V, self._engine("verify")))
+        return out["num_accepted"], out["next_ids"]
+
+    def _zero_draft_logits(self) -> np.ndarray:
+        S = self.batch.num_slots
+        if self._zeros is None or self._zeros.shape[0] != S:
+            self._zeros = np.zeros((S, self.block_size, self.vocab_size), np.float32)
+        return self._zeros
+
+    def commit_rows(self, packed: PackedBatch, out: dict, keep: dict[int, int]) -> Commit:
+        """The first keep[slot] rows of each slot's segment: their target K/V, and (when the policy drafts)
+        their tapped features and positions for the drafter-context backlog (features of committed rows
+        only; DeepSpec spec §5.2 pitfall 2)."""
+        order = sorted(keep.items())
+        slots = np.concatenate([np.full(n, slot, np.int64) for slot, n in order])
+        rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in order])
+        kv = self.batch.target_kv
+        L = kv.num_layers
+        c = Commit(slots, [out[f"new_key.{i}"][rows] for i in range(L)], [out[f"new_value.{i}"][rows] for i in range(L)])
+        if self.drafts:
+            c.aux = out["aux_hidden"][rows]
+            c.positions = kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
+        return c
