@@ -9,9 +9,8 @@ K/V) are never read back. That makes them inert. A padding row takes its slot's 
 
 Why spread: the graph pads every slot's query to the longest one (`pad_index` [S, Q]) and attends
 S × Q query rows over the cache, so Q should stay near N / S. Filling every slot up to a common width gives
-Q = max(longest segment, ⌈N / S⌉). All padding on the last segment made Q as large as the padding:
-SmolLM2 on this CPU, S = 16, 17 real rows in bucket 32, cache capacity 512: 185 ms with Q = 16 against
-87 ms for 32 real rows with Q = 2 (one measurement each).
+Q = max(longest segment, ⌈N / S⌉). All padding on the last segment made Q as large as the padding, and
+the pass about twice as slow (reports/measurement_history.md, "spread padding").
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ def time_runner(runner, feed: dict, warmup: int, repeats: int) -> dict:
 def _kv_feed(spec: dict, num: int, capacity: int, key: str, value: str) -> dict:
     """One written buffer per layer and per K/V, as the runtime's cache holds them. Why not one shared
     zero buffer: pages np.zeros never wrote all map the same physical zero page, and one buffer for every
-    layer stays in the CPU caches, so both time the attention reads too fast (SmolLM2, S = 16, P = 1,024,
-    one pass: 143 ms over one shared zero buffer, 192 ms over written per-layer buffers)."""
+    layer stays in the CPU caches, so both time the attention reads too fast (reports/measurement_history.md,
+    "profiler KV buffers")."""
     shape = (num, spec["num_kv_heads"], capacity, spec["head_dim"])
     feed = {}
     for layer in range(spec["num_layers"]):

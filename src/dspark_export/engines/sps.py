@@ -40,8 +40,8 @@ class ThroughputProfile:
     (`draft_requests`, `draft_ms`, from sps.json's `drafter_block` rows), a step's time is the target
     pass plus the drafter block, 1/SPS(B) + d(R), and the policies maximise τ / (1/SPS(B) + d(R))
     instead of τ·SPS(B). Why: the paper's drafter is cheap next to a GPU target, so its SPS(B) is the
-    step rate; on a CPU the drafter block can cost half a target pass (SmolLM2: 16 ms vs 26 ms at R=1)
-    and deciding without it admits drafts that cost more than they return. Without drafter rows the
+    step rate; on a CPU the drafter block can cost half a target pass (reports/measurement_history.md,
+    "drafter cost") and deciding without it admits drafts that cost more than they return. Without drafter rows the
     formulas are the paper's, bit for bit.
 
     Layout cost (optional): the target graph pads every slot's query to the longest one and attends
@@ -55,11 +55,10 @@ class ThroughputProfile:
 
     b the bucket that runs B tokens, Q = max(w, ⌈b / S⌉) (`engines.packing.padded_width`), c_a the ms
     per padded query row per KV entry, c_kv the ms per slot per KV entry (`engines.profiler`, a least-
-    squares fit over layouts). The correction never takes a step below half its profiled latency.
-    SmolLM2 on 2 CPU cores, S = 16, P = 256 (`scripts/bench_layout_cost.py`): 16 rows of 1 took 53.2 ms,
-    one row of 8 and 15 of 1 (B = 23) 111.8 ms, 16 rows of 2 (B = 32) 86.1 ms; the profile's fit
-    (c_a = 1.10e-3, c_kv = 2.26e-3 ms) predicts 47.4, 99.1 and 72.1 ms, where SPS(B) alone prices the
-    last two alike (59.9 ms, the B = 32 bucket).
+    squares fit over layouts). The correction never takes a step below half its profiled latency. Why:
+    one slot verifying 7 drafts next to 15 decoding ones costs far more than 16 slots of 2 rows, which
+    SPS(B) alone prices alike (reports/measurement_history.md, "layout cost";
+    `scripts/bench_layout_cost.py` measures it).
 
     Args:
         buckets: bucket sizes B in tokens, strictly increasing, each ≥ 1.

@@ -120,8 +120,8 @@ def _load_tokenizer(engines: EngineSet):
 
     A tokenizer saved as the `tokenizers` backend itself (`tokenizer_class` in `_BACKEND_CLASSES`, as
     the GGUF route saves SmolLM2's) is loaded with that class directly: `AutoTokenizer` would build the
-    same object, but importing it pulls in torch through transformers' config machinery (SmolLM2:
-    3.3 s of a 4.8 s `Runtime.open`, against 0.8 s directly). Model-specific classes (LlamaTokenizer,
+    same object, but importing it pulls in torch through transformers' config machinery, most of
+    `Runtime.open`'s time (reports/measurement_history.md, "tokenizer load"). Model-specific classes (LlamaTokenizer,
     Qwen2Tokenizer, ...) may rebuild parts of the tokenizer in their constructors, so they still go
     through `AutoTokenizer`.
 

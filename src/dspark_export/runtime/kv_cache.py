@@ -61,9 +61,8 @@ class KVCache:
         stops at the initial capacity); returns whether it reallocated (one O(cache) copy).
 
         Why: every engine attends over the whole buffer, so without this one long request would leave
-        every later step reading its capacity for good. SmolLM2 on 2 CPU cores, after a 2,000-token
-        request: short requests decoded at 170.9 tok/s with this against 63.4 without at 16 at once,
-        35.7 against 26.6 alone (`scripts/bench_kv_shrink.py`). The quarter (not half) keeps a slot
+        every later step reading its capacity for good (reports/measurement_history.md, "KV shrink";
+        `scripts/bench_kv_shrink.py` measures it). The quarter (not half) keeps a slot
         that hovers at a boundary from reallocating on every request: after a shrink the longest slot
         fills at most half the buffer, so it must double before the next growth.
         """
@@ -139,9 +138,8 @@ class KVCache:
         With `slot` and `trim`, that slot's first P = min(C, ⌈max(lens[slot], 1) / 64⌉ · 64) entries
         only, as [1,kvH,P,D] contiguous copies: the engines attend over every entry of the buffer (masking
         those ≥ lens), so a long query block (a prefill chunk) costs less over a trimmed cache than over the
-        whole capacity. SmolLM2, one-slot target passes, 2 CPU cores, capacity 512 vs trimmed to its
-        rows rounded up to 64 (more than this keeps): a 170-token chunk at position 0 552 → 392 ms, 128
-        tokens at 100 216 → 187 ms, 64 at 200 111 → 101 ms; the copies took 1-7 ms."""
+        whole capacity, and the copy costs far less than it saves (reports/measurement_history.md,
+        "trimmed KV feed")."""
         if slot is None:
             rows, cols = slice(None), slice(None)
         else:

@@ -17,8 +17,8 @@ The bias b_k is this project's addition to the paper's STS (§3.2.1 fits T_k onl
 back exactly). Serving engines with DSpark support (SGLang, TensorRT-LLM) compute σ(z_k / T_k) only, so
 `fit_calibration` also fits the paper's temperature-only STS on the same rounds, with its own ECE, and stores
 it under ``temperature_only``: that is the fit `export-profile` writes for them. A temperature cannot move the mean confidence, and the shipped SmolLM2 drafter's head is
-biased: its calibrated first-position survival averaged 0.526 against 0.467 accepted, which held the
-mean ECE at 2.54 % with temperatures alone, and 1.16 % with a bias per position (same rounds). The
+biased (its calibrated first-position survival overrates acceptance); a bias per position halved the mean
+ECE on the same rounds (reports/measurement_history.md, "STS bias"). The
 head is trained on the analytic acceptance 1 − ½‖p − q‖₁, the rounds count greedy matches.
 """
 

@@ -61,13 +61,12 @@ def generate_responses(model_path: str | Path, split: dict, part: str, datasets_
     """Answer every prompt of `split`'s `part` with the target; append records to `out_path`.
 
     The target (a transformers folder) runs in `dtype` with transformers' batched `generate`
-    (left padding, prompts sorted by length so a batch pads little). A seeded `sampled_fraction`
+    (left padding, prompts sorted by length so a batch pads little): on CPU a large bfloat16 batch
+    answers several times faster than this project's engines at `ar` (reports/measurement_history.md,
+    "response generation"). A seeded `sampled_fraction`
     of the prompts is answered at `temperature` (top-k/top-p off), the rest greedily. Prompts longer
     than `max_prompt_tokens` after the chat template are skipped. `limit` caps the number of
     prompts (taken in a seeded shuffle, so a prefix is a fair sample).
-
-    Measured on 2 CPU cores (SmolLM2-135M, 64 gsm8k prompts x 64 tokens): bfloat16 batch 64 gives
-    ~197 tok/s; this project's ONNX runtime with `ar` (16 slots, fp32) gave ~48 tok/s.
 
     Raises:
         ConfigError: bad arguments.

@@ -25,8 +25,8 @@ materialises them in fp32: :class:`FusedVocabLoss` walks the rows in chunks, com
 draft and target logits, CE, L1 and the argmax; it keeps p (in the matmul dtype, bf16 when training)
 and sign(p − q) (int8) as [M, V] tensors for the backward pass, which then runs only the H-wide
 gradient products (the gradients are written out in its docstring). Per-chunk tensors stay in cache instead of streaming ~8 fp32 [M, V]
-temporaries through memory: on this project's 2-core CPU a 1,792-row step (forward + backward)
-took 5.5 s unfused and 2.5 s fused (``scripts/train_drafter.py``, same batch). ``fused=False`` keeps
+temporaries through memory, which roughly halves a training step on CPU (reports/measurement_history.md,
+"fused vocab loss"). ``fused=False`` keeps
 the direct autograd form; the tests hold the two equal (values and gradients).
 """
 

@@ -8,13 +8,10 @@ Weights: every external initializer is memory-mapped once from the graph's .data
 to each session with `SessionOptions.add_initializer`.
 
 Prepacking (MLAS packs each constant MatMul weight into its GEMM layout once, at load):
-- A prepacked session holds a private packed copy of its weights (SmolLM2 target: +390 MB RSS).
-- Without it, every GEMM call with more than one row packs the weights again. That is the whole
-  540 MB per target pass. One-row calls use GEMV and never pack.
-- Measured on this 2-core CPU (same process, back to back, busy machine): target B=2 205 → 102 ms,
-  B=8 358 → 134 ms, B=16 439 → 170 ms; drafter block R=1 52 → 28 ms. On a quiet machine after the
-  change (`dspark-export profile`): target B=2/4/8/16 26.5/29.0/31.5/38.8 ms, against 36.9/41.5/46.2/57.8 ms
-  before; B=1 on its own unpacked session took 36.1 ms, slower than B=2 packed.
+- A prepacked session holds a private packed copy of its weights (a few hundred MB for a 135M target).
+- Without it, every GEMM call with more than one row packs the weights again: all of the target's
+  weights per target pass. One-row calls use GEMV and never pack. Prepacked multi-row passes ran
+  about 2× faster on CPU (reports/measurement_history.md, "prepacked sessions").
 - So the graphs in `PACKED_GRAPHS` (every bucket of the target and the drafter block) run on ONE shared
   session per graph (`SharedSession`), with prepacking on and no free-dimension override. Only one
   packed copy per graph is paid for. `drafter_context` and `verify` keep per-bucket sessions with
@@ -121,12 +118,11 @@ def thread_settings(graph: str, threads: int = 0) -> dict:
     """Intra-op threading per graph: {"intra_op_num_threads": n, "allow_spinning": bool}.
 
     Why: every ORT session owns an intra-op pool whose threads spin after each run. With ~28 bucket
-    sessions alternating (drafter, target, verify) on 2 cores, idle pools spun against the busy one
-    (SmolLM2 greedy: ar 14 tokens/s, fixed:7 5 tokens/s). Measured on the same prompt: only the
-    target keeps spinning threads (it dominates the step); the drafter block's pool does not spin;
-    drafter_context and verify run on the calling thread: ar 24-28, fixed:7 12 tokens/s, the same as
-    one process-wide pool, which we avoid because it forbids per-session pools for every other ORT
-    user in the process.
+    sessions alternating (drafter, target, verify) on 2 cores, idle pools spun against the busy one.
+    So only the target keeps spinning threads (it dominates the step); the drafter block's pool does not
+    spin; drafter_context and verify run on the calling thread. That is as fast as one process-wide pool
+    (reports/measurement_history.md, "ORT thread pools"), which we avoid because it forbids per-session
+    pools for every other ORT user in the process.
     """
     if graph in SINGLE_THREAD_GRAPHS:
         return {"intra_op_num_threads": 1, "allow_spinning": False}
