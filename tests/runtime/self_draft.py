@@ -79,7 +79,7 @@ class TargetDrafter:
                     kv.values[layer][s.slot, :, pos] = out[f"new_value.{layer}"][row]
                 p = s.params
                 row_logits = out["logits"][lrow][None]
-                t = p.temperature if p.temperature >= GREEDY_BELOW else 0.0   # as Generator._sampling_feed
+                t = p.temperature if p.temperature >= GREEDY_BELOW else 0.0   # as Batch.sampling
                 probs = warp_probs(row_logits, np.array([t], np.float32), np.array([p.top_k], np.int64),
                                    np.array([p.top_p], np.float32))
                 x = int(sample_from_probs(probs, uniforms[s.slot][j:j + 1])[0])

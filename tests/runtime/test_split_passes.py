@@ -1,4 +1,4 @@
-"""Prefill chunks in one-slot target passes next to a shared pass (`Generator._target_pass`): greedy identity
+"""Prefill chunks in one-slot target passes next to a shared pass (`EngineStages.split_passes`): greedy identity
 under every policy, faults and retries confined to their request, error messages naming the right engine."""
 
 from __future__ import annotations

@@ -158,14 +158,14 @@ def test_a_failing_request_leaves_the_others_untouched(client, serve_runtime, mo
     from dspark_export.runtime.generator import Generator
 
     want = [_expected(serve_runtime, p, max_new_tokens=20).text for p in PROMPTS[:3]]
-    original = Generator._step
+    original = Generator.speculative_step
 
     def faulty(self, active):
         if str(self.policy) == "fixed:2":
             raise RuntimeError("injected engine fault")
         return original(self, active)
 
-    monkeypatch.setattr(Generator, "_step", faulty)
+    monkeypatch.setattr(Generator, "speculative_step", faulty)
     results: dict = {}
 
     def good(i):
@@ -272,13 +272,13 @@ def test_a_disconnect_mid_stream_cancels_the_request_and_frees_its_slot(serve_en
 
     from dspark_export.runtime.generator import Generator
 
-    original = Generator._step
+    original = Generator.speculative_step
 
     def slow(self, active):             # 80 tokens take seconds: the disconnect comes long before the end
         time.sleep(0.05)
         return original(self, active)
 
-    monkeypatch.setattr(Generator, "_step", slow)
+    monkeypatch.setattr(Generator, "speculative_step", slow)
     config = ServeConfig(engine_dir=serve_engine_dir, api_key="", max_slots=1, max_queue=0)
     with start_server(create_app(config, service=Service(serve_runtime, "dspark", max_slots=1))) as base:
         body = {"model": MODEL, "messages": _msg("a long one"), "max_tokens": 80, "temperature": 0, "stream": True}

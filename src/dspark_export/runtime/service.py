@@ -213,8 +213,8 @@ class Service:
         policy's generator, and the slots each generator may hold ("slots", the largest)."""
         with self._lock:
             gens = list(self._generators.values())
-        return {"waiting": sum(len(g._waiting) for g in gens),
-                "running": sum(s is not None for g in gens for s in g._slots),
+        return {"waiting": sum(len(g.batch.waiting) for g in gens),
+                "running": sum(s is not None for g in gens for s in g.batch.slots),
                 "slots": max((g.max_slots for g in gens), default=0)}
 
     def stats(self) -> dict:
