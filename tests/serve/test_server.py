@@ -208,6 +208,11 @@ BAD_INPUTS = [
     ("stop list too long", dict(body={"model": MODEL, "messages": _msg(), "stop": ["s"] * (MAX_STOP_STRINGS + 1)}),
      400, "stop"),
     ("logprobs", dict(body={"model": MODEL, "messages": _msg(), "logprobs": True}), 400, "logprobs"),
+    # legacy completions: an integer asks for logprobs, 0 included (the sampled token's own)
+    ("completions logprobs 0", dict(path="/v1/completions", body={"model": MODEL, "prompt": "a", "logprobs": 0}),
+     400, "logprobs"),
+    ("message without a role", dict(body={"model": MODEL, "messages": [{"content": "hi"}]}), 400,
+     "messages[0].role"),
     ("tools", dict(body={"model": MODEL, "messages": _msg(), "tools": [{"type": "function"}]}), 400, "tools"),
     ("penalty", dict(body={"model": MODEL, "messages": _msg(), "presence_penalty": 0.5}), 400, "presence_penalty"),
     ("string max_tokens", dict(body={"model": MODEL, "messages": _msg(), "max_tokens": "9"}), 400, "max_tokens"),
