@@ -212,6 +212,8 @@ BAD_INPUTS = [
     # legacy completions: an integer asks for logprobs, 0 included (the sampled token's own)
     ("completions logprobs 0", dict(path="/v1/completions", body={"model": MODEL, "prompt": "a", "logprobs": 0}),
      400, "logprobs"),
+    ("include_usage not a boolean", dict(body={"model": MODEL, "messages": _msg(), "stream": True,
+                                               "stream_options": {"include_usage": "yes"}}), 400, "stream_options"),
     ("message without a role", dict(body={"model": MODEL, "messages": [{"content": "hi"}]}), 400,
      "messages[0].role"),
     ("tools", dict(body={"model": MODEL, "messages": _msg(), "tools": [{"type": "function"}]}), 400, "tools"),

@@ -156,6 +156,9 @@ def _check_unsupported(req: _Common) -> None:
                                 param="stream_options")
         if not req.stream:
             raise ProtocolError("stream_options: only allowed with stream: true", param="stream_options")
+        bad = {k: v for k, v in req.stream_options.items() if not isinstance(v, bool) and v is not None}
+        if bad:
+            raise ProtocolError(f"stream_options: expected true or false; found {bad}", param="stream_options")
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
