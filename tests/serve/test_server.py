@@ -11,6 +11,7 @@ import httpx2 as httpx  # the HTTP client the openai package depends on
 import openai
 import pytest
 
+from dspark_export.errors import RequestError
 from dspark_export.runtime.request import SamplingParams
 from dspark_export.runtime.service import Service
 from dspark_export.serve.app import ServeConfig, create_app
@@ -208,6 +209,13 @@ BAD_INPUTS = [
     ("stop list too long", dict(body={"model": MODEL, "messages": _msg(), "stop": ["s"] * (MAX_STOP_STRINGS + 1)}),
      400, "stop"),
     ("logprobs", dict(body={"model": MODEL, "messages": _msg(), "logprobs": True}), 400, "logprobs"),
+    # legacy completions: an integer asks for logprobs, 0 included (the sampled token's own)
+    ("completions logprobs 0", dict(path="/v1/completions", body={"model": MODEL, "prompt": "a", "logprobs": 0}),
+     400, "logprobs"),
+    ("include_usage not a boolean", dict(body={"model": MODEL, "messages": _msg(), "stream": True,
+                                               "stream_options": {"include_usage": "yes"}}), 400, "stream_options"),
+    ("message without a role", dict(body={"model": MODEL, "messages": [{"content": "hi"}]}), 400,
+     "messages[0].role"),
     ("tools", dict(body={"model": MODEL, "messages": _msg(), "tools": [{"type": "function"}]}), 400, "tools"),
     ("penalty", dict(body={"model": MODEL, "messages": _msg(), "presence_penalty": 0.5}), 400, "presence_penalty"),
     ("string max_tokens", dict(body={"model": MODEL, "messages": _msg(), "max_tokens": "9"}), 400, "max_tokens"),
@@ -329,3 +337,28 @@ def test_parameters_at_their_no_op_values_are_accepted(client, serve_runtime):
     got = _chat(client, "defaults", max_completion_tokens=6, temperature=0, n=1, logprobs=False, presence_penalty=0,
                 frequency_penalty=0.0, user="someone", top_p=1)
     assert got.choices[0].message.content == want.text and got.usage.completion_tokens == len(want.token_ids)
+
+
+def test_distinct_per_request_policies_are_bounded(serve_engine_dir, serve_runtime):
+    """A policy is request input (threshold:C takes any real C) and each one gets its own generator:
+    idle ones are dropped past the service's limit, so a client cycling through policies cannot grow
+    the server without bound; a new policy while all are busy is a 400 naming `policy`."""
+    service = Service(serve_runtime, "dspark", max_policies=3)
+    config = ServeConfig(engine_dir=serve_engine_dir, api_key="")
+    with start_server(create_app(config, service=service)) as base:
+        with openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=120) as c:
+            expected = _chat(c, "policies", max_tokens=6, temperature=0, extra_body={"policy": "threshold:0.5"})
+            for i in range(6):
+                got = _chat(c, "policies", max_tokens=6, temperature=0, extra_body={"policy": f"threshold:0.5{i}1"})
+                assert got.choices[0].finish_reason in ("length", "stop")
+                assert len(service._generators) <= 3
+            again = _chat(c, "policies", max_tokens=6, temperature=0, extra_body={"policy": "threshold:0.5"})
+            assert again.choices[0].message.content == expected.choices[0].message.content
+        assert "dspark" in service._generators       # the default's generator is never dropped
+    # all kept generators busy (requests queued, nobody steps): a new policy is refused, naming `policy`
+    held = Service(serve_runtime, "dspark", max_policies=2)
+    held.submit([5, 6, 7], {"max_new_tokens": 4}, policy="fixed:1")
+    with pytest.raises(RequestError, match="policy: 2 policies have requests running"):
+        held.submit([5, 6, 7], {"max_new_tokens": 4}, policy="fixed:2")
+    held.submit([5, 6, 7], {"max_new_tokens": 4})       # the default and the busy one still take requests
+    assert set(held._generators) == {"dspark", "fixed:1"}

@@ -40,6 +40,11 @@ __all__ = ["Service", "Event", "sampling_params_from"]
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 
+#: generators (one per distinct policy) a Service keeps at once. A policy is request input (threshold:C
+#: takes any real C) and each generator holds its own buffers and is visited every step, so beyond this
+#: idle ones other than the default's are dropped, and a new policy while all are busy is refused.
+MAX_POLICIES = 8
+
 
 def sampling_params_from(value: SamplingParams | Mapping | None) -> SamplingParams:
     """SamplingParams from a SamplingParams or a mapping of its fields (unknown keys refused), validated.
@@ -111,11 +116,14 @@ class Service:
         policy (str | Policy): the default verification policy.
         max_slots (int | None): requests decoded at once per policy (`Generator`'s max_slots); None = the
             largest drafter bucket.
+        max_policies (int): distinct policies (generators) kept at once (`MAX_POLICIES`).
     """
 
-    def __init__(self, runtime: Runtime, policy: str | Policy = "dspark", max_slots: int | None = None):
+    def __init__(self, runtime: Runtime, policy: str | Policy = "dspark", max_slots: int | None = None,
+                 max_policies: int = MAX_POLICIES):
         self.runtime = runtime
         self.max_slots = max_slots
+        self.max_policies = max(1, max_policies)
         self.default_policy = policy if isinstance(policy, Policy) else parse_policy(policy)
         self._lock = threading.RLock()
         self._generators: dict[str, Generator] = {}
@@ -154,7 +162,7 @@ class Service:
                 vocabulary, or a prompt longer than the engine's capacity. Nothing is queued then.
         """
         params = sampling_params_from(params)
-        gen = self._generator(parse_policy(policy) if policy else self.default_policy)
+        parsed = parse_policy(policy) if policy else self.default_policy
         if isinstance(prompt, str):
             ids = self.runtime.encode(prompt, chat)
         else:
@@ -164,8 +172,9 @@ class Service:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError) as e:
                 raise RequestError(f"prompt: expected text or a list of token ids ({e})") from e
-        gen.check_request(ids, params)          # raise here, synchronously, instead of an error result
-        with self._lock:
+        with self._lock:    # held from lookup to submit: an idle generator is never dropped in between
+            gen = self._generator(parsed)
+            gen.check_request(ids, params)          # raise here, synchronously, instead of an error result
             rid, self._next_id = self._next_id, self._next_id + 1
             self._counts["submitted"] += 1
             # The generator's id is assigned inside submit; map it under the same lock so the driver
@@ -234,6 +243,15 @@ class Service:
             # may raise: no profile, fixed:K > γ. detokenize: stop strings, matched as `Runtime` does
             gen = Generator(self.runtime.engines, policy, max_slots=self.max_slots, detokenize=self.runtime.decode)
             with self._lock:
+                if key not in self._generators and len(self._generators) >= self.max_policies:
+                    default = str(self.default_policy)
+                    for k, g in list(self._generators.items()):
+                        if k != default and not g.has_work():
+                            del self._generators[k]
+                    if len(self._generators) >= self.max_policies:
+                        raise RequestError(f"policy: {len(self._generators)} policies have requests running, the "
+                                           f"limit of this service; found a new one {key!r}, use one of "
+                                           f"{sorted(self._generators)} or retry later")
                 gen = self._generators.setdefault(key, gen)
         return gen
 

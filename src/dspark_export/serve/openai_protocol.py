@@ -132,7 +132,12 @@ class ParsedRequest:
 
 def _check_unsupported(req: _Common) -> None:
     """400 naming a parameter we do not implement when it is set to anything but its no-op value."""
-    noop = {"n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0,
+    # logprobs: only null/false is a no-op; on /v1/completions an integer asks for that many alternatives
+    # besides the sampled token's own logprob, so 0 is a request too (0 == False must not pass)
+    if req.logprobs is not None and req.logprobs is not False:
+        raise ProtocolError(f"logprobs: not supported by this server (accepted only as null or false); found "
+                            f"{req.logprobs!r}", param="logprobs")
+    noop = {"n": 1, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0,
             "logit_bias": {}, "tools": [], "functions": [], "tool_choice": "none", "function_call": "none",
             "echo": False, "best_of": 1, "suffix": "", "store": False}
     for name, default in noop.items():
@@ -151,6 +156,9 @@ def _check_unsupported(req: _Common) -> None:
                                 param="stream_options")
         if not req.stream:
             raise ProtocolError("stream_options: only allowed with stream: true", param="stream_options")
+        bad = {k: v for k, v in req.stream_options.items() if not isinstance(v, bool) and v is not None}
+        if bad:
+            raise ProtocolError(f"stream_options: expected true or false; found {bad}", param="stream_options")
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
@@ -214,7 +222,8 @@ def _validation_message(err: ValidationError) -> tuple[str, str | None]:
     # unions report each member's failure under the member's type name; keep the field path only
     path = [p for p in loc if not any(c in p for c in "[]") and p not in
             ("str", "int", "float", "bool", "list", "dict", "function-after")]
-    name = ".".join(path) or "body"
+    # list indices as messages[0].role, the form the server's own checks use
+    name = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path).lstrip(".") or "body"
     if e.get("type") == "extra_forbidden":
         return f"{name}: unknown parameter (not part of the OpenAI API this server implements)", name
     if e.get("type") == "missing":
