@@ -265,3 +265,52 @@ def test_manifest_draft_vocab_must_match_the_graph(build_tiny_engine_dir, tmp_pa
     (out / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(EngineDirError, match="draft_vocab: expected size and d2t of 32"):
         Manifest.load(out, verify=False)
+
+
+# -- defaults: exact drafting for every drafter but the shipped one ------------------------------------------
+
+def _inputs(path, vocab=49152):
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(vocab_size=vocab)
+    return SimpleNamespace(drafter_source={"path": path} if path else {"kind": "untrained"},
+                           drafter=SimpleNamespace(config=config), eos_token_ids=(2,))
+
+
+def test_imported_and_untrained_drafters_draft_exactly_by_default(tmp_path):
+    from dspark_export.pipeline import BuildConfig, _drafter_choices
+
+    cfg = BuildConfig(out=tmp_path / "x")
+    (tmp_path / "imported").mkdir()
+    write_ranking(tmp_path / "imported" / "draft_vocab.json", ranking_object(np.arange(256), [2], "t", 1))
+    for path in (str(tmp_path / "imported"), None):  # a ranking beside an import is not used unless asked
+        assert _drafter_choices(cfg, _inputs(path, 256)) == (None, None, "float32")
+    d2t, info, weights = _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="16", drafter_weights="int4"),
+                                          _inputs(str(tmp_path / "imported"), 256))
+    assert len(d2t) == 16 and info["size"] == 16 and weights == "int4" and 2 in d2t
+    with pytest.raises(ConfigError, match="--draft-vocab-from"):
+        _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="16"), _inputs(None, 256))
+    for bad in ("0", "-3", "lots"):
+        with pytest.raises(ConfigError, match="draft_vocab: expected 'auto', 'full' or a positive number"):
+            BuildConfig(out=tmp_path / "x", draft_vocab=bad)
+    with pytest.raises(ConfigError, match="drafter_weights"):
+        BuildConfig(out=tmp_path / "x", drafter_weights="int2")
+    with pytest.raises(ConfigError, match=r"1 <= N <= vocab_size = 256"):
+        _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="300"), _inputs(str(tmp_path / "imported"), 256))
+
+
+def test_shipped_drafter_uses_its_committed_choice(tmp_path):
+    from dspark_export.modeling.loading import shipped_drafter_path
+    from dspark_export.pipeline import SHIPPED_DRAFTER_BUILD, BuildConfig, _drafter_choices
+
+    shipped = shipped_drafter_path("")
+    d2t, info, weights = _drafter_choices(BuildConfig(out=tmp_path / "x"), _inputs(str(shipped)))
+    size = SHIPPED_DRAFTER_BUILD["draft_vocab"]
+    assert weights == SHIPPED_DRAFTER_BUILD["drafter_weights"]
+    if size == "full":
+        assert d2t is None and info is None
+    else:
+        assert len(d2t) == size == info["size"] and info["source"].endswith("draft_vocab.json")
+    d2t, info, weights = _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="full", drafter_weights="float32"),
+                                          _inputs(str(shipped)))
+    assert (d2t, info, weights) == (None, None, "float32")
