@@ -176,8 +176,9 @@ def draft_vocab_head(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarra
     """Draft logits [n, V] of rows h [n, H] through the LM head's d2t rows only, scattered back to V.
 
     ``logits_N = h · W[d2t]ᵀ`` ([n, N], fp32 Gemm or `int8_lm_head`), then
-    ``Gather(Pad(logits_N, one column of OUTSIDE_DRAFT_VOCAB), t2d_index, axis=1)`` with the constant
-    ``t2d_index`` of `draft_vocab_index`: column v holds logits_N[:, j] where d2t[j] = v, else the fill.
+    ``ScatterElements(Expand(OUTSIDE_DRAFT_VOCAB, [n, V]), Expand(d2t, [n, N]), logits_N, axis=1)``:
+    column d2t[j] holds logits_N[:, j], every other column the fill. (A constant-index Gather over
+    ``[logits_N ; fill]`` gives the same tensor but cost 1.8 ms of CPU against 0.38 ms at n = 7, N = 4096.)
     Why: the block is bound by reading the [V, H] head; N rows read N/V of it (FR-Spec, Zhao et al. 2025,
     arXiv 2502.14856; EAGLE-3's d2t). The output keeps the full-vocabulary contract, so MarkovDraft, the
     verify op and the C++ acceptance rule are unchanged: q is exactly 0 outside d2t (the Markov bias is
@@ -190,9 +191,12 @@ def draft_vocab_head(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarra
     else:
         logits = b.op("Gemm", [h, b.weight("lm_head.d2t.weight", w)], "lm_head", transB=1)
     name = "draft_vocab"
-    padded = b.op("Pad", [logits, b.const([0, 0, 0, 1]), b.const(OUTSIDE_DRAFT_VOCAB, "float32")], name)
-    return b.op("Gather", [padded, b.weight("draft_vocab.t2d_index", draft_vocab_index(d2t, weight.shape[0]))],
-                name, axis=1)
+    rows = b.op("Slice", [b.op("Shape", [h], name), b.const([0]), b.const([1])], name)
+    base = b.op("Expand", [b.const([[OUTSIDE_DRAFT_VOCAB]], "float32"),
+                           b.op("Concat", [rows, b.const([weight.shape[0]])], name, axis=0)], name)
+    index = b.op("Expand", [b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64).reshape(1, -1)),
+                            b.op("Concat", [rows, b.const([len(d2t)])], name, axis=0)], name)
+    return b.op("ScatterElements", [base, index, logits], name, axis=1)
 
 
 def quantize_drafter_layers(model: onnx.ModelProto, layer_weights: str, block_size: int = 32) -> onnx.ModelProto:
