@@ -12,7 +12,7 @@ import pytest
 from dspark_export.errors import ConfigError
 from dspark_export.exporter.drafter import (OUTSIDE_DRAFT_VOCAB, build_drafter_graphs, check_d2t,
                                             draft_vocab_index, quantize_drafter_layers)
-from dspark_export.plugins.common import sample_from_probs, warp_probs
+from dspark_export.plugins.common.sampling import sample_from_probs, warp_probs
 from dspark_export.plugins.speculative_verify.reference import run as verify_reference
 from dspark_export.training.draft_vocab import (count_response_tokens, load_draft_vocab_source, ranking_from_counts,
                                                 ranking_object, read_ranking, select_d2t, write_ranking)

