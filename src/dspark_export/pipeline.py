@@ -56,15 +56,25 @@ def resolve_drafter_lm_head(choice: str, drafter_source: dict) -> str:
     return "float32" if imported else "int8"
 
 
-def drafter_approximations(lm_head: str) -> list[dict]:
+def drafter_approximations(lm_head: str, draft_vocab: int | None = None,
+                           layer_weights: str = "float32") -> list[dict]:
     """The approximations a build applies to the drafter's drafting (recorded in the manifest's
     source.drafter.approximations, shown by `inspect`, carried into exported profiles): each
-    {"name", "value", "effect"}; empty when the drafter drafts as its checkpoint's float32 weights do."""
+    {"name", "value", "effect"}; empty when the drafter drafts as its checkpoint's float32 weights do.
+    `draft_vocab` is the d2t size N (None = the full vocabulary); `layer_weights` the drafter layers' format."""
     out = []
     if lm_head == "int8":
         out.append({"name": "drafter_lm_head", "value": "int8",
                     "effect": "int8 weights with per-vocabulary scales and per-row activation quantization: "
                               "near-tied drafts can flip (output stays lossless; acceptance can differ)"})
+    if draft_vocab is not None:
+        out.append({"name": "draft_vocab", "value": int(draft_vocab),
+                    "effect": "drafts only from the top-N target tokens (d2t); q is 0 elsewhere (output stays "
+                              "lossless; acceptance can differ)"})
+    if layer_weights != "float32":
+        out.append({"name": "drafter_weights", "value": layer_weights,
+                    "effect": "block-quantized drafter layers (MatMulNBits): drafts can differ (output stays "
+                              "lossless; acceptance can differ)"})
     return out
 
 
@@ -274,12 +284,12 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     weights = resolved_weights(cfg)
     say(f"exporting graphs (target weights {weights})")
     lm_head = resolve_drafter_lm_head(cfg.drafter_lm_head, inputs.drafter_source)
-    approximations = drafter_approximations(lm_head)
+    d2t, vocab_info, layer_weights = _drafter_choices(cfg, inputs)
+    approximations = drafter_approximations(lm_head, None if d2t is None else len(d2t), layer_weights)
     inputs.drafter_source["approximations"] = approximations
     if inputs.drafter_source.get("kind") == "checkpoint" and not inputs.drafter_source.get("shipped") and approximations:
         say(f"note: the imported drafter runs with approximations {[a['name'] for a in approximations]} (asked "
             "for): its drafts can differ from its source's")
-    d2t, vocab_info, layer_weights = _drafter_choices(cfg, inputs)
     graphs = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
