@@ -11,6 +11,8 @@ Stages (each resumable; each reads the previous one's output):
     calibrate  offline rounds on the calibration features → τ per dataset, per-position acceptance,
                STS temperatures, ECE before/after, reliability diagram: <run>/<name>/calibration/
     export     drafter-owned tensors in fp16 + calibration.json → --out (the shipped drafter folder)
+    draft-vocab  token ranking of the target's training responses (<run>/data/train.jsonl) →
+               <--out>/draft_vocab.json (`dspark_export.training.draft_vocab`; the d2t of `build --draft-vocab N`)
 
 Usage:
     python scripts/train_drafter.py data --run runs/smollm2 --limit 1400
@@ -22,6 +24,9 @@ Usage:
     python scripts/train_drafter.py calibrate --run runs/smollm2 --name dspark
     python scripts/train_drafter.py export --run runs/smollm2 --name dspark \
         --out src/dspark_export/assets/drafters/smollm2-135m-instruct
+    python scripts/train_drafter.py draft-vocab --run runs/smollm2 --out src/dspark_export/assets/drafters/smollm2-135m-instruct
+    python scripts/train_drafter.py calibrate --run runs/smollm2 \
+        --drafter src/dspark_export/assets/drafters/smollm2-135m-instruct --draft-vocab 8192   # recalibrate in place
 Exit codes: 0 done, 2 an error (one line on stderr), 130 interrupted.
 """
 
@@ -120,10 +125,19 @@ def cmd_calibrate(args, say):
 
     _, target = _target(args)
     run = Path(args.run) / args.name
-    drafter = load_drafter(run / "drafter", target).eval()
-    rounds = replay_rounds(drafter, FeatureCache(Path(args.run) / "features" / "calibration"), stride=args.stride)
-    out = run / "calibration"
-    out.mkdir(exist_ok=True)
+    folder = Path(args.drafter) if args.drafter else run / "drafter"
+    drafter = load_drafter(folder, target).eval()
+    d2t = None
+    if args.draft_vocab:
+        from dspark_export.training.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab_source, select_d2t
+
+        ranking = load_draft_vocab_source(args.draft_vocab_from or folder / DRAFT_VOCAB_FILE,
+                                          drafter.config.vocab_size, target.eos_token_ids)
+        d2t = select_d2t(ranking["ranking"], args.draft_vocab, drafter.config.vocab_size)
+    rounds = replay_rounds(drafter, FeatureCache(Path(args.run) / "features" / "calibration"), stride=args.stride,
+                           d2t=d2t)
+    out = Path(args.calibration_out) if args.calibration_out else run / "calibration"
+    out.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out / "rounds.npz", conf_logits=rounds.conf_logits, accepted=rounds.accepted,
                         valid=rounds.valid, sources=np.array(rounds.sources))
     per_dataset = {}
@@ -137,7 +151,9 @@ def cmd_calibrate(args, say):
     if drafter.confidence_head is not None:
         fit = fit_calibration(rounds)
         summary["sts"] = fit
-        write_calibration(run / "drafter", fit, {"fitted_on": "calibration split, greedy offline rounds",
+        fitted_on = "calibration split, greedy offline rounds" + (f", draft vocabulary N = {args.draft_vocab}"
+                                                                   if args.draft_vocab else "")
+        write_calibration(folder, fit, {"fitted_on": fitted_on,
                                                  "reliability": reliability_bins(rounds, fit["confidence_temperature"],
                                                                                  biases=fit["confidence_bias"])})
         reliability_diagram(rounds, fit["confidence_temperature"], out / "reliability.png", biases=fit["confidence_bias"])
@@ -163,6 +179,24 @@ def cmd_export(args, say):
         shutil.copy2(src / CALIBRATION_FILE, out / CALIBRATION_FILE)
     size = sum(p.stat().st_size for p in out.iterdir())
     say(f"exported {out}: {size / 2**20:.2f} MiB")
+
+
+def cmd_draft_vocab(args, say):
+    from dspark_export.training.data import read_records
+    from dspark_export.training.draft_vocab import DRAFT_VOCAB_FILE, count_response_tokens, ranking_object, write_ranking
+
+    path, target = _target(args)
+    src = Path(args.run) / "data" / "train.jsonl"
+    records = read_records(src)
+    if not records:
+        from dspark_export.errors import ConfigError
+
+        raise ConfigError(f"{src}: no response records (run the data stage first)")
+    vocab = int(target.config.vocab_size)
+    data = ranking_object(count_response_tokens(records, vocab), target.eos_token_ids,
+                          f"target responses on the training split ({len(records)} records of {src.name})", len(records))
+    out = write_ranking(Path(args.out) / DRAFT_VOCAB_FILE, data)
+    say(f"wrote {out}: {len(data['ranking'])} distinct tokens of {vocab} in {data['tokens_counted']} response tokens")
 
 
 def parse_args(argv=None):
@@ -202,6 +236,13 @@ def parse_args(argv=None):
     p = sub.add_parser("calibrate", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--stride", type=int, default=2, help="replay a round at every k-th assistant position")
+    p.add_argument("--drafter", help="drafter folder to calibrate in place (default <run>/<name>/drafter)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="replay with the draft vocabulary of this size (build --draft-vocab N)")
+    p.add_argument("--draft-vocab-from", help="its ranking (default <drafter>/draft_vocab.json)")
+    p.add_argument("--calibration-out", help="folder of rounds, summary and diagram (default <run>/<name>/calibration)")
+    p = sub.add_parser("draft-vocab", parents=[common])
+    p.add_argument("--out", required=True, help="drafter folder to write draft_vocab.json into")
     p = sub.add_parser("export", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--out", required=True)
@@ -213,7 +254,7 @@ def main(argv=None) -> int:
     say = _log(time.perf_counter())
     try:
         {"data": cmd_data, "features": cmd_features, "train": cmd_train, "calibrate": cmd_calibrate,
-         "export": cmd_export}[args.stage](args, say)
+         "export": cmd_export, "draft-vocab": cmd_draft_vocab}[args.stage](args, say)
     except DsparkExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

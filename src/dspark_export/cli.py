@@ -107,6 +107,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="the target's weights: int4 / int8 block-quantized (ONNX Runtime MatMulNBits, block 32; "
                         "linear layers, LM head and embedding) or fp32 (default: int4, the fastest in "
                         "reports/quant/quant.md; fp32 with an imported DeepSpec --drafter)")
+    b.add_argument("--draft-vocab", default="auto", metavar="auto|full|N",
+                   help="the drafter's draft vocabulary: its LM head computes N rows (the target's N most frequent "
+                        "response tokens) and every other token gets probability 0 in the drafts; output stays "
+                        "exact. auto: the shipped drafter's measured size, full for any other drafter (default)")
+    b.add_argument("--draft-vocab-from", default=None, metavar="FILE",
+                   help="the token ranking for --draft-vocab N: a draft_vocab.json or a responses JSONL of the target "
+                        "(scripts/train_drafter.py data); default <drafter folder>/draft_vocab.json")
+    b.add_argument("--drafter-weights", choices=("auto", "float32", "int8", "int4"), default="auto",
+                   help="the drafter layers' weights (ONNX Runtime MatMulNBits, row-local): auto = the shipped "
+                        "drafter's measured format, float32 (exact drafting) for any other drafter")
     b.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
 
     g = sub.add_parser("generate", help="generate text with speculative decoding",
@@ -231,7 +241,8 @@ def cmd_build(args) -> int:
                       request_buckets=args.request_buckets, max_context=args.max_context,
                       profile_context=args.profile_context, profile_repeats=args.profile_repeats,
                       seed=args.seed, drafter_lm_head=args.drafter_lm_head, overwrite=args.overwrite,
-                      weights=args.weights)
+                      weights=args.weights, draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from,
+                      drafter_weights=args.drafter_weights)
     result = build_engine_dir(cfg, progress=_progress)
     _progress(f"built {result.out} ({result.size_bytes / 2**20:.0f} MiB)")
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,

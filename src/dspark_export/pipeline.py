@@ -29,7 +29,7 @@ from .engines.ort.runner import engine_spec
 from .engines.profiler import measure_profile
 from .engines.sps import SPS_PATH, encode_sps, write_sps
 from .errors import BuildError, ConfigError, ProfileError
-from .exporter.drafter import export_drafter
+from .exporter.drafter import LAYER_WEIGHTS, export_drafter
 from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat
 from .exporter.target import export_target
 from .exporter.verify import export_verify
@@ -56,15 +56,25 @@ def resolve_drafter_lm_head(choice: str, drafter_source: dict) -> str:
     return "float32" if imported else "int8"
 
 
-def drafter_approximations(lm_head: str) -> list[dict]:
+def drafter_approximations(lm_head: str, draft_vocab: int | None = None,
+                           layer_weights: str = "float32") -> list[dict]:
     """The approximations a build applies to the drafter's drafting (recorded in the manifest's
     source.drafter.approximations, shown by `inspect`, carried into exported profiles): each
-    {"name", "value", "effect"}; empty when the drafter drafts as its checkpoint's float32 weights do."""
+    {"name", "value", "effect"}; empty when the drafter drafts as its checkpoint's float32 weights do.
+    `draft_vocab` is the d2t size N (None = the full vocabulary); `layer_weights` the drafter layers' format."""
     out = []
     if lm_head == "int8":
         out.append({"name": "drafter_lm_head", "value": "int8",
                     "effect": "int8 weights with per-vocabulary scales and per-row activation quantization: "
                               "near-tied drafts can flip (output stays lossless; acceptance can differ)"})
+    if draft_vocab is not None:
+        out.append({"name": "draft_vocab", "value": int(draft_vocab),
+                    "effect": "drafts only from the top-N target tokens (d2t); q is 0 elsewhere (output stays "
+                              "lossless; acceptance can differ)"})
+    if layer_weights != "float32":
+        out.append({"name": "drafter_weights", "value": layer_weights,
+                    "effect": "block-quantized drafter layers (MatMulNBits): drafts can differ (output stays "
+                              "lossless; acceptance can differ)"})
     return out
 
 
@@ -90,6 +100,14 @@ class BuildConfig:
             its source, int8 for the shipped drafter and a fresh one.
         weights: the target's weight format, "int4", "int8" or "fp32" (exporter/quantize.py); None =
             `quantize.DEFAULT_WEIGHTS`, except fp32 with an imported DeepSpec drafter (`resolved_weights`).
+        draft_vocab: the drafter's draft vocabulary (`exporter.drafter.draft_vocab_head`): "auto" (the shipped
+            drafter's committed size, `SHIPPED_DRAFTER_BUILD`, any other drafter the full vocabulary), "full",
+            or a size N as a decimal string (the top N of `draft_vocab_from`'s ranking).
+        draft_vocab_from: a ``draft_vocab.json`` ranking or a responses JSONL (`training.draft_vocab`); None =
+            ``<drafter folder>/draft_vocab.json``.
+        drafter_weights: the drafter layers' weights (`exporter.drafter.quantize_drafter_layers`): "auto" (the
+            shipped drafter's committed format, any other drafter float32: exact drafting), "float32", "int8"
+            or "int4".
         overwrite: replace an existing engine directory at `out`.
     """
 
@@ -106,6 +124,9 @@ class BuildConfig:
     markov_rank: int = 64
     seed: int = 0
     drafter_lm_head: str = "auto"
+    draft_vocab: str = "auto"
+    draft_vocab_from: str | None = None
+    drafter_weights: str = "auto"
     overwrite: bool = False
     weights: str | None = None
 
@@ -121,6 +142,13 @@ class BuildConfig:
                               f"{self.drafter_lm_head!r}")
         if self.weights is not None:
             WeightFormat(self.weights)  # raises ConfigError naming the formats
+        dv = str(self.draft_vocab)
+        if dv not in ("auto", "full") and not (dv.isdigit() and int(dv) >= 1):
+            raise ConfigError(f"draft_vocab: expected 'auto', 'full' or a positive number of tokens, found "
+                              f"{self.draft_vocab!r}")
+        if self.drafter_weights not in ("auto", *LAYER_WEIGHTS):
+            raise ConfigError(f"drafter_weights: expected one of {['auto', *LAYER_WEIGHTS]}, found "
+                              f"{self.drafter_weights!r}")
         if self.profile_repeats < 1:
             raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
         if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):
@@ -256,14 +284,17 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     weights = resolved_weights(cfg)
     say(f"exporting graphs (target weights {weights})")
     lm_head = resolve_drafter_lm_head(cfg.drafter_lm_head, inputs.drafter_source)
-    approximations = drafter_approximations(lm_head)
+    d2t, vocab_info, layer_weights = _drafter_choices(cfg, inputs)
+    approximations = drafter_approximations(lm_head, None if d2t is None else len(d2t), layer_weights)
     inputs.drafter_source["approximations"] = approximations
     if inputs.drafter_source.get("kind") == "checkpoint" and not inputs.drafter_source.get("shipped") and approximations:
         say(f"note: the imported drafter runs with approximations {[a['name'] for a in approximations]} (asked "
             "for): its drafts can differ from its source's")
-    graphs = _export_graphs(inputs, root / "graphs", lm_head, weights)
+    graphs = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
+    if vocab_info is not None:
+        manifest.data["draft_vocab"] = vocab_info
     _write_engines(manifest, cfg)
     inputs.save_tokenizer(root / "tokenizer")
     _copy_calibration(inputs.drafter_source, manifest)
@@ -323,14 +354,53 @@ def _write_report(manifest: Manifest) -> None:
                     manifest.root)
 
 
-def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str = "fp32") -> dict:
+#: what `build` does by default with the drafter shipped for the embedded target ("auto"); every other drafter
+#: drafts exactly (full vocabulary, float32 layers) unless told. Chosen from the measured τ/cost curve in
+#: reports/drafter/draft-vocab.md.
+SHIPPED_DRAFTER_BUILD = {"draft_vocab": 8192, "drafter_weights": "int4"}
+
+
+def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
+    """(d2t [N] int64 or None, the manifest's ``draft_vocab`` entry or None, layer weight format).
+
+    Raises:
+        ConfigError: a draft vocabulary was asked for without a ranking, or a bad size or ranking file.
+    """
+    from .modeling.loading import shipped_drafter_path
+    from .training.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab_source, select_d2t
+
+    folder = inputs.drafter_source.get("path")
+    shipped = shipped_drafter_path("")
+    is_shipped = folder is not None and shipped is not None and Path(folder).resolve() == shipped.resolve()
+    weights = cfg.drafter_weights
+    if weights == "auto":
+        weights = SHIPPED_DRAFTER_BUILD["drafter_weights"] if is_shipped else "float32"
+    size = str(cfg.draft_vocab)
+    if size == "auto":
+        size = str(SHIPPED_DRAFTER_BUILD["draft_vocab"]) if is_shipped else "full"
+    vocab = int(inputs.drafter.config.vocab_size)
+    if size == "full" or int(size) == vocab and cfg.draft_vocab_from is None:
+        return None, None, weights
+    source = cfg.draft_vocab_from or (Path(folder) / DRAFT_VOCAB_FILE if folder else None)
+    if source is None:
+        raise ConfigError(f"draft_vocab {size}: this drafter has no folder to hold {DRAFT_VOCAB_FILE}; pass "
+                          "--draft-vocab-from (a draft_vocab.json or the target's responses JSONL) or --draft-vocab full")
+    ranking = load_draft_vocab_source(source, vocab, inputs.eos_token_ids)
+    d2t = select_d2t(ranking["ranking"], int(size), vocab)
+    info = {"size": int(len(d2t)), "d2t": d2t.tolist(), "method": ranking.get("method"), "source": str(source),
+            "records": ranking.get("records"), "tokens_counted": ranking.get("tokens_counted")}
+    return d2t, info, weights
+
+
+def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str = "fp32", d2t=None,
+                   layer_weights: str = "float32") -> dict:
     graph_dir.mkdir(parents=True, exist_ok=True)
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
                                     graph_dir / "target.onnx", weights)
     embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
     d_files, d_spec = export_drafter(inputs.drafter, inputs.rope, graph_dir, target_embed=embed,
                                      target_graph=t_files[0], lm_head_dtype=drafter_lm_head,
-                                     target_weights=weights)
+                                     target_weights=weights, d2t=d2t, layer_weights=layer_weights)
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
     rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731
     entry = lambda files, spec: {"path": rel(files[0]), "data": rel(files[1]) if len(files) > 1 else None,  # noqa: E731

@@ -17,6 +17,7 @@ BUCKETS = dict(target_buckets=(1, 2, 4, 8), request_buckets=(1, 2), max_context=
                profile_repeats=2, block_size=4, markov_rank=8)
 PROMPTS = ("hello there", "abc abc abc abc")
 HAS_ORTGENAI = importlib.util.find_spec("onnxruntime_genai") is not None
+HAS_LLAMACPP = importlib.util.find_spec("llama_cpp") is not None
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def test_ours_and_transformers_on_the_same_prompts(engine_dir):
     assert rows["DSpark (best)"]["policy"] == best["policy"] == result["best_dspark"]["policy"]
     assert rows["transformers-pld"]["prompt_lookup_num_tokens"] == 10
     assert isinstance(rows["transformers"]["identical_to_ar"], bool)
-    assert set(result["dspark_speedup_over"]) == {"onnxruntime-genai", "transformers", "transformers-pld"}
+    assert set(result["dspark_speedup_over"]) == {"llama.cpp", "onnxruntime-genai", "onnxruntime-genai-int4",
+                                                  "transformers", "transformers-pld"}
     assert result["dspark_speedup_over"]["onnxruntime-genai"] is None  # not run here
 
 
@@ -55,6 +57,52 @@ def test_missing_peer_is_skipped_with_a_reason(engine_dir, monkeypatch):
     row = result["results"][-1]
     assert row["system"] == "onnxruntime-genai" and "not installed" in row["skipped"]
     assert row["tokens_per_s"] is None and row["ratio_to_ar"] is None
+
+
+def test_llamacpp_skipped_with_a_reason(engine_dir, monkeypatch):
+    result = run_peers_bench(PeersBenchConfig(engine_dir, prompts=PROMPTS[:1], max_new_tokens=4,
+                                              systems=("ar", "llama.cpp")))
+    row = result["results"][-1]
+    assert row["system"] == "llama.cpp" and row["tokens_per_s"] is None
+    if HAS_LLAMACPP:  # the tiny engine directory comes from a transformers folder, not a GGUF
+        assert "not built from a GGUF; pass --gguf" in row["skipped"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(peers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    result = run_peers_bench(PeersBenchConfig(engine_dir, prompts=PROMPTS[:1], max_new_tokens=4,
+                                              systems=("ar", "llama.cpp")))
+    assert "llama-cpp-python is not installed" in result["results"][-1]["skipped"]
+
+
+@pytest.mark.skipif(not HAS_LLAMACPP, reason="llama-cpp-python not installed (optional extra 'llamacpp')")
+def test_llamacpp_runs_the_gguf_the_engines_were_built_from(build_tiny_engine_dir, tmp_path_factory):
+    """A tiny F32 GGUF: the engine directory is built from it, llama.cpp runs the file itself, greedy."""
+    from tests.conftest import make_tiny_target
+    from tests.modeling.conftest import write_tiny_llama_gguf
+
+    gguf_path = write_tiny_llama_gguf(make_tiny_target("llama", seed=4), tmp_path_factory.mktemp("g") / "tiny.gguf")
+    from dspark_export.pipeline import BuildConfig, build_engine_dir
+
+    out = tmp_path_factory.mktemp("peers-gguf") / "tiny"
+    build_engine_dir(BuildConfig(out=out, target=str(gguf_path), drafter="untrained", **BUCKETS))
+    result = run_peers_bench(PeersBenchConfig(out, prompts=PROMPTS, max_new_tokens=8, chat=False,
+                                              systems=("ar", "llama.cpp"), threads=1))
+    row = result["results"][-1]
+    assert row["system"] == "llama.cpp" and row.get("skipped") is None, row
+    assert row["model"] == str(gguf_path) and row["precision"] == "ALL_F32" and row["threads"] == 1
+    assert row["tokens"] > 0 and row["tokens_per_s"] > 0 and len(row["per_prompt"]) == 2
+    assert row["identical_to_ar"] is True  # the same F32 weights, greedy
+
+
+def test_default_prompts_per_dataset(engine_dir, tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [f"{name}{i}"]}) + "\n" for i in range(4)))
+    cfg = PeersBenchConfig(engine_dir, datasets=("a", "b"), datasets_dir=tmp_path, prompts_per_dataset=3)
+    assert cfg.prompts == ("a0", "a1", "a2", "b0", "b1", "b2")
+    with pytest.raises(ConfigError, match="prompts_per_dataset"):
+        PeersBenchConfig(engine_dir, prompts=("x",), prompts_per_dataset=0)
+    with pytest.raises(ConfigError, match="threads"):
+        PeersBenchConfig(engine_dir, prompts=("x",), threads=0)
 
 
 def test_transformers_skipped_without_a_transformers_folder(engine_dir, tmp_path):

@@ -34,6 +34,15 @@ def test_train_script_stages(tiny_target_dir, tmp_path):
     assert main(["export", *run, "--name", "d", "--out", str(tmp_path / "shipped")]) == 0
     assert read_drafter_config(tmp_path / "shipped").is_trained
     assert (tmp_path / "shipped" / "calibration.json").is_file()
+    # the draft vocabulary: ranking of the training responses, then an in-place recalibration with it
+    assert main(["draft-vocab", *run, "--out", str(tmp_path / "shipped")]) == 0
+    ranking = json.loads((tmp_path / "shipped" / "draft_vocab.json").read_text())
+    assert ranking["records"] == len(lines) and ranking["ranking"][0] == 2  # EOS first
+    assert main(["calibrate", *run, "--drafter", str(tmp_path / "shipped"), "--draft-vocab", "16",
+                 "--calibration-out", str(tmp_path / "recal"), "--stride", "1"]) == 0
+    recal = json.loads((tmp_path / "shipped" / "calibration.json").read_text())
+    assert "draft vocabulary N = 16" in recal["fitted_on"] and (tmp_path / "recal" / "summary.json").is_file()
+    assert main(["calibrate", *run, "--drafter", str(tmp_path / "shipped"), "--draft-vocab", "999"]) == 2
     # the DFlash ablation on the DSpark run's learning-rate path
     assert main(["train", *run, "--name", "f", "--variant", "dflash", "--steps", "2", "--seqs-per-step", "1",
                  "--anchors-per-seq", "4", "--lr-from", str(tmp_path / "run" / "d" / "metrics.jsonl")]) == 0

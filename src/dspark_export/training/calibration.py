@@ -76,14 +76,20 @@ class Rounds:
 
 @torch.no_grad()
 def replay_rounds(drafter: DSparkDrafter, cache: FeatureCache, *, greedy_only: bool = True, stride: int = 1,
-                  max_len: int = 768, chunk: int = 96) -> Rounds:
+                  max_len: int = 768, chunk: int = 96, d2t=None) -> Rounds:
     """Replay a drafting round at every `stride`-th assistant position of every cached sequence.
 
     Args:
         greedy_only: use only sequences whose response was generated at temperature 0 (only there is
             the cached continuation the target's verification outcome).
+        d2t: a draft vocabulary [N] (`exporter.drafter.draft_vocab_head`): drafts are argmaxes over these
+            tokens only, as the exported block drafts; None = the full vocabulary.
     """
     G = drafter.config.block_size
+    outside = None
+    if d2t is not None:
+        outside = torch.full((drafter.config.vocab_size,), float("-inf"))
+        outside[torch.as_tensor(np.asarray(d2t), dtype=torch.long)] = 0.0
     confs, accs, valids, sources = [], [], [], []
     for i in range(len(cache)):
         s = cache[i]
@@ -108,6 +114,8 @@ def replay_rounds(drafter: DSparkDrafter, cache: FeatureCache, *, greedy_only: b
             z = torch.zeros(n, G)
             for k in range(G):
                 logits = U[:, k] + (drafter.markov_bias(prev) if drafter.markov_head is not None else 0)
+                if outside is not None:
+                    logits = logits + outside
                 if drafter.confidence_head is not None:
                     z[:, k] = drafter.confidence_logits(hidden[:, k:k + 1], prev[:, None])[:, 0]
                 prev = logits.argmax(-1)

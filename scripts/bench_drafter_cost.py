@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Drafter block cost against the target's one-token step, per draft vocabulary size N and layer format.
+
+For each (N, layer format) the shipped drafter's block graph is exported as `build` would
+(`exporter.drafter.build_block_graph`, int8 LM head) and timed at R = 1, 4, 16 requests with a context of
+`--context` entries; each given target graph is timed at one token (B = 1) with the same past length. All
+sessions use `--threads` intra-op threads and are timed interleaved, round after round, so a change in machine
+load falls on all alike; the median and the interquartile range of the per-round means are reported, and each
+drafter cost as a share of each target step.
+
+Usage:
+    python scripts/bench_drafter_cost.py --ranking src/dspark_export/assets/drafters/smollm2-135m-instruct/draft_vocab.json \
+        --target-graph fp32=/tmp/eng/fp32/graphs/target.onnx --sizes 4096,8192,16384,32768,full \
+        --formats float32,int8,int4 --out reports/drafter/draft-vocab-cost.json
+Exit codes: 0 done, 2 an error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _session(model_or_path, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+    data = model_or_path if isinstance(model_or_path, str) else model_or_path.SerializeToString()
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def _block_feed(spec, R: int, P: int, rng) -> dict:
+    feed = {"anchor_ids": rng.integers(0, spec.vocab_size, R), "start_positions": np.full(R, P),
+            "context_lens": np.full(R, P), "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int64),
+            "top_p": np.ones(R, np.float32), "uniforms": rng.random((R, spec.block_size), dtype=np.float32),
+            "confidence_temperature": np.ones(spec.block_size, np.float32)}
+    for i in range(spec.num_layers):
+        for name in ("context_key", "context_value"):
+            feed[f"{name}.{i}"] = rng.standard_normal((R, spec.num_kv_heads, P, spec.head_dim)).astype(np.float32)
+    return feed
+
+
+def _target_feed(sess, P: int, rng) -> dict:
+    feed = {"input_ids": np.array([100]), "position_ids": np.array([P]), "query_start": np.array([0, 1]),
+            "cache_lens": np.array([P]), "pad_index": np.zeros((1, 1), np.int64), "logit_rows": np.array([0])}
+    for inp in sess.get_inputs():
+        if inp.name.startswith("past_"):
+            kvh, d = inp.shape[1], inp.shape[3]
+            feed[inp.name] = rng.standard_normal((1, kvh, P, d)).astype(np.float32)
+    return feed
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranking", required=True, help="draft_vocab.json (scripts/train_drafter.py draft-vocab)")
+    p.add_argument("--target-graph", action="append", default=[], metavar="LABEL=PATH",
+                   help="a target.onnx to time at B = 1 (repeatable)")
+    p.add_argument("--sizes", default="4096,8192,16384,32768,full")
+    p.add_argument("--formats", default="float32,int8,int4", help="drafter layer formats")
+    p.add_argument("--requests", default="1,4,16")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--reps", type=int, default=5, help="runs per session per round")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: time.perf_counter; cpu: the process's CPU time (time.process_time), a steadier "
+                        "measure of the work on a machine shared with other jobs (use with --threads 1, where "
+                        "ONNX Runtime computes in the calling thread and no thread spins)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    from dspark_export.errors import DsparkExportError
+    from dspark_export.exporter.drafter import build_block_graph
+    from dspark_export.modeling.loading import load_build_inputs
+    from dspark_export.training.draft_vocab import read_ranking, select_d2t
+
+    try:
+        inputs = load_build_inputs(None, None)
+        drafter, vocab = inputs.drafter, int(inputs.drafter.config.vocab_size)
+        ranking = read_ranking(args.ranking, vocab)["ranking"]
+        embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
+    except DsparkExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    requests = [int(r) for r in args.requests.split(",")]
+    sessions = {}  # label -> (session, {R: feed})
+    for label_path in args.target_graph:
+        label, path = label_path.split("=", 1)
+        s = _session(path, args.threads)
+        sessions[f"target:{label}"] = (s, {1: _target_feed(s, args.context, rng)})
+    import torch
+
+    from dspark_export.exporter.drafter import _spec
+
+    for size in args.sizes.split(","):
+        d2t = None if size == "full" else select_d2t(ranking, int(size), vocab)
+        for fmt in args.formats.split(","):
+            with torch.no_grad():
+                model = build_block_graph(drafter, inputs.rope, embed, "int8", d2t, fmt)
+            spec = _spec(drafter, "int8", 0 if d2t is None else len(d2t), fmt)
+            s = _session(model, args.threads)
+            sessions[f"drafter:N={size}:{fmt}"] = (s, {R: _block_feed(spec, R, args.context, rng) for R in requests})
+            print(f"built N={size} {fmt}", file=sys.stderr, flush=True)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times: dict[str, list[float]] = {}
+    for rnd in range(args.rounds):
+        for label, (s, feeds) in sessions.items():
+            for R, feed in feeds.items():
+                s.run(None, feed)
+                t0 = clock()
+                for _ in range(args.reps):
+                    s.run(None, feed)
+                times.setdefault(f"{label}:R={R}", []).append((clock() - t0) / args.reps * 1e3)
+        print(f"round {rnd + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    stats = {k: {"median_ms": round(float(np.median(v)), 3), "q25_ms": round(float(np.percentile(v, 25)), 3),
+                 "q75_ms": round(float(np.percentile(v, 75)), 3)} for k, v in times.items()}
+    targets = {k.split(":")[1]: v["median_ms"] for k, v in stats.items() if k.startswith("target:")}
+    rows = []
+    for size in args.sizes.split(","):
+        for fmt in args.formats.split(","):
+            row = {"N": size, "layers": fmt}
+            for R in requests:
+                st = stats[f"drafter:N={size}:{fmt}:R={R}"]
+                row[f"R{R}_ms"] = st["median_ms"]
+                row[f"R{R}_iqr_ms"] = [st["q25_ms"], st["q75_ms"]]
+            for t, ms in targets.items():
+                row[f"R1_share_of_{t}"] = round(row["R1_ms"] / ms, 3)
+            rows.append(row)
+    result = {"command": " ".join(sys.argv), "context": args.context, "threads": args.threads, "clock": args.clock,
+              "rounds": args.rounds,
+              "reps": args.reps, "targets_B1_ms": targets, "stats": stats, "rows": rows,
+              "note": "machine shared with other jobs during the run; ratios in one interleaved run"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for row in rows:
+        print(json.dumps(row))
+    print(json.dumps({"targets_B1_ms": targets}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
