@@ -34,7 +34,8 @@ from typing import Callable
 import numpy as np
 
 from ..errors import ConfigError
-from ..bench.common import check_datasets, check_engine_dir, read_dataset
+from ..bench.common import check_datasets, check_engine_dir
+from ..datasets import read_dataset
 
 __all__ = ["HttpBenchConfig", "run_http_bench", "markdown_table", "write_reports"]
 
