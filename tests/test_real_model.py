@@ -72,3 +72,5 @@ def test_report_inspect_and_peers(real_engine_dir, tmp_path, capsys):
     assert rows["dspark-export dspark"]["identical_to_ar"] is True
     for name in ("onnxruntime-genai", "transformers", "transformers-pld"):
         assert rows[name].get("skipped") or rows[name]["tokens_per_s"] > 0, rows[name]
+    # the default directory keeps the TensorRT path: every graph lowers and gets its profiles (no TensorRT needed)
+    assert cli_main(["trt", "plan", "--engine-dir", str(real_engine_dir)]) == 0
