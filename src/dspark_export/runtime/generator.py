@@ -153,7 +153,8 @@ class Generator:
         stop_ids = frozenset(int(t) for t in params.stop_token_ids
                              if isinstance(t, (int, np.integer))) if isinstance(params.stop_token_ids, tuple) else ()
         state = RequestState(index, prompt_ids, params,
-                       # a seeded request owns the stream of its seed alone, so it reproduces in any batch
+                       # a seeded request owns the stream of its seed alone (batch-independent
+                       # while its verification lengths are: not under dspark's batch-wide allocation)
                        np.random.default_rng(seed if seed is not None else [np.random.SeedSequence().entropy, index]),
                        self.eos_ids | frozenset(stop_ids), result, on_token)
         self.batch.requests[index] = state

@@ -28,7 +28,10 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 = off.
         top_p: nucleus mass in (0, 1]; 1 = off.
         seed: seeds this request's uniforms (np.random.default_rng(seed)): the same seed, prompt and
-            parameters give the same output in any batch; None = random.
+            parameters give the same output alone and under ar, fixed:K and threshold:C in any batch. dspark and
+            dspark-async choose verification lengths over the whole batch, and how many uniforms a step uses
+            follows them, so there a sampled request's text depends on its batch-mates (its distribution
+            does not); None = random.
         stop_token_ids: extra stop ids on top of the engine's EOS ids (a list or other iterable becomes a tuple).
         stop: stop strings. The request ends at the first committed token whose decoded output
             contains one (checked token by token, also inside an accepted block); `token_ids` keep
