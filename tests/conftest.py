@@ -139,6 +139,11 @@ def build_tiny_engine_dir(tiny_target_dir, tmp_path_factory):
     return build
 
 
+#: Build of the tiny engines that test_pipeline.py and tests/serve share (γ = 4, buckets up to 64 tokens).
+TINY_BUILD = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4), max_context=96,
+                  profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
+
+
 # Bucket list of the real-model build: the default's without 256 (no real-model test packs more than 128
 # tokens in one target pass), and 3 timed profile runs instead of 10, to keep the build near a minute on 2 cores.
 REAL_BUILD_ARGS = ("--profile-repeats", "3", "--target-buckets", "1,2,4,8,16,32,64,128")

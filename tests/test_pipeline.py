@@ -18,8 +18,7 @@ from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 from dspark_export.runtime.stages import EngineStages
 
-BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4), max_context=96,
-               profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
+from tests.conftest import TINY_BUILD as BUCKETS
 
 
 @pytest.fixture(scope="module")

@@ -145,15 +145,11 @@ def _parser() -> argparse.ArgumentParser:
                            formatter_class=fmt).add_subparsers(dest="bench", required=True)
     from .bench import acceptance_cli, peers_cli, serve_cli
 
-    bs = bench.add_parser("serve", help="closed-loop serving benchmark (throughput vs per-user tokens/s)",
-                          epilog=serve_cli.EXAMPLES, formatter_class=fmt)
-    serve_cli.add_arguments(bs)
-    ba = bench.add_parser("acceptance", help="offline acceptance length τ per dataset (paper Table 1, Fig. 2)",
-                          epilog=acceptance_cli.EXAMPLES, formatter_class=fmt)
-    acceptance_cli.add_arguments(ba)
-    bp = bench.add_parser("peers", help="single-user tokens/s vs onnxruntime-genai and transformers (same prompts, one run)",
-                          epilog=peers_cli.EXAMPLES, formatter_class=fmt)
-    peers_cli.add_arguments(bp)
+    for name, module, summary in (
+            ("serve", serve_cli, "closed-loop serving benchmark (throughput vs per-user tokens/s)"),
+            ("acceptance", acceptance_cli, "offline acceptance length τ per dataset (paper Table 1, Fig. 2)"),
+            ("peers", peers_cli, "single-user tokens/s vs onnxruntime-genai and transformers (same prompts, one run)")):
+        module.add_arguments(bench.add_parser(name, help=summary, epilog=module.EXAMPLES, formatter_class=fmt))
     from .serve import cli as serve_cli_
 
     bh = bench.add_parser("http", help="closed-loop HTTP load on `serve` vs the in-process Service (TTFT, TPOT, tok/s)",

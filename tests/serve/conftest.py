@@ -15,8 +15,7 @@ import httpx2 as httpx  # the HTTP client the openai package depends on
 import pytest
 
 
-SERVE_BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4), max_context=96,
-                     profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
+from tests.conftest import TINY_BUILD as SERVE_BUCKETS
 API_KEY = "test-key-123"
 
 
