@@ -208,9 +208,38 @@ def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
     padded = _run(sess, _feed(spec, [mine], 4, [9, 20, 0, 30], 8, past))
     packed = _run(sess, _feed(spec, [mine] + others, 4, [9, 20, 0, 30], 32, past))
     for out in (padded, packed):
+        if weights in QUANT:  # exact attention sums (target.py): bitwise, not just to rounding
+            for name in ("logits", "aux_hidden", "new_key.3"):
+                np.testing.assert_array_equal(out[name][0], alone[name][0])
         assert np.abs(out["logits"][0] - alone["logits"][0]).max() <= 1e-5 * max(1.0, np.abs(alone["logits"]).max())
         assert np.abs(out["aux_hidden"][0] - alone["aux_hidden"][0]).max() <= 1e-5
         assert np.abs(out["new_key.3"][0] - alone["new_key.3"][0]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("weights", QUANT)
+def test_verification_rows_equal_decode_rows_bitwise(tiny_llama, weights):
+    """One verification block of q tokens gives, row for row, the very logits, features and K/V that q one-token
+    decode passes give over the same cache (each writing its key/value before the next): the past/new split of
+    the keys differs between the two, and only exact attention sums make the rows bitwise equal. Without this,
+    MatMulNBits' int8 activation rows turn float-rounding differences into quantization steps and greedy
+    speculative output leaves `ar`'s."""
+    proto, spec = build_target_graph(tiny_llama, TAPS, weights)
+    sess = _session(proto)
+    rng = np.random.default_rng(5)
+    capacity, start, q = 40, 13, 7
+    past = _past(spec, 2, capacity, seed=1)
+    tokens = rng.integers(0, spec.vocab_size, q)
+    other = Segment(1, rng.integers(0, spec.vocab_size, 3), 4)    # a batch mate in both runs
+    block = _run(sess, _feed(spec, [Segment(0, tokens, start), other], 2, [start, 4], 16, past))
+    decode = [dict(k=k.copy(), v=v.copy()) for k, v in past]
+    cache = [(d["k"], d["v"]) for d in decode]
+    for j in range(q):
+        out = _run(sess, _feed(spec, [Segment(0, tokens[j:j + 1], start + j), other], 2, [start + j, 4], 8, cache))
+        for name in ("logits", "aux_hidden"):
+            np.testing.assert_array_equal(out[name][0], block[name][j], err_msg=f"{name} row {j}")
+        for layer, (k, v) in enumerate(cache):
+            np.testing.assert_array_equal(out[f"new_key.{layer}"][0], block[f"new_key.{layer}"][j])
+            k[0, :, start + j], v[0, :, start + j] = out[f"new_key.{layer}"][0], out[f"new_value.{layer}"][0]
 
 
 # -- engine directories ----------------------------------------------------------------------------------

@@ -287,8 +287,17 @@ def _attention_context(b: GraphBuilder, spec: TargetGraphSpec) -> dict:
 
 
 def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: str, layer: int, actx: dict,
-                     name: str) -> str:
-    """Two-part ragged attention (`builder.two_part_attention`) of q [1,N,nH·D], k, v [1,N,kvH·D] -> [1,N,nH·D]."""
+                     name: str, exact_sums: bool = False) -> str:
+    """Two-part ragged attention (`builder.two_part_attention`) of q [1,N,nH·D], k, v [1,N,kvH·D] -> [1,N,nH·D].
+
+    `exact_sums` (quantized graphs): a query row's output must not depend on how its keys are split between
+    the cache and this pass (a decode row has one new key, a verification row several), because MatMulNBits
+    quantizes its input rows to int8 and turns any rounding difference into a quantization step. The scores
+    and exp(s - max) are computed element by element (the same bits wherever a key sits); the two sums over
+    keys, Σ e_j and Σ e_j·v_j, are taken in float64 (the products of float32 values are exact there), so the
+    order of the terms moves the result by ~2^-45 relative, below float32's 2^-24 step: after the one cast to
+    float32 the bits agree unless a value falls that close to a rounding boundary. out = (Σ e_j v_j) / Σ e_j.
+    """
     nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     g = nh // nkv
     pad = lambda t: b.op("Gather", [t, "pad_index"], name, axis=1)  # noqa: E731  [1,R,Q,·]
@@ -301,10 +310,21 @@ def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: 
     s_new = b.op("FusedMatMul", [qg, kp], name, domain=MS_DOMAIN, transB=1, alpha=scale)
     s_past = b.op("Add", [s_past, actx["past_bias"]], name)
     s_new = b.op("Add", [s_new, actx["causal_bias"]], name)
-    probs = b.op("Softmax", [b.op("Concat", [s_past, s_new], name, axis=-1)], name, axis=-1)
-    p_past, p_new = b.op("Split", [probs, actx["split"]], name, num_outputs=2, axis=-1)
-    out = b.op("Add", [b.op("MatMul", [p_past, f"past_value.{layer}"], name), b.op("MatMul", [p_new, vp], name)],
-               name)                                                               # [R,kvH,G·Q,D]
+    scores = b.op("Concat", [s_past, s_new], name, axis=-1)                        # [R,kvH,G·Q,P+Q]
+    if exact_sums:
+        f64 = lambda t: b.op("Cast", [t], name, to=onnx.TensorProto.DOUBLE)  # noqa: E731
+        peak = b.op("ReduceMax", [scores, b.const([-1])], name, keepdims=1)
+        e = f64(b.op("Exp", [b.op("Sub", [scores, peak], name)], name))
+        e_past, e_new = b.op("Split", [e, actx["split"]], name, num_outputs=2, axis=-1)
+        out = b.op("Add", [b.op("MatMul", [e_past, f64(f"past_value.{layer}")], name),
+                           b.op("MatMul", [e_new, f64(vp)], name)], name)
+        total = b.op("ReduceSum", [e, b.const([-1])], name, keepdims=1)
+        out = b.op("Cast", [b.op("Div", [out, total], name)], name, to=onnx.TensorProto.FLOAT)
+    else:
+        probs = b.op("Softmax", [scores], name, axis=-1)
+        p_past, p_new = b.op("Split", [probs, actx["split"]], name, num_outputs=2, axis=-1)
+        out = b.op("Add", [b.op("MatMul", [p_past, f"past_value.{layer}"], name), b.op("MatMul", [p_new, vp], name)],
+                   name)                                                           # [R,kvH,G·Q,D]
     out = b.op("Reshape", [out, b.const([0, nkv, g, -1, d])], name)
     out = b.op("Transpose", [out], name, perm=[0, 3, 1, 2, 4])                      # [R,Q,kvH,G,D]
     out = b.op("Reshape", [out, b.const([-1, nh * d])], name)
@@ -360,7 +380,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
         _to_output(b, "Reshape", [k, b.const([-1, nkv, d])], f"new_key.{i}", ["N", nkv, d], f"{name}/new_key")
         _to_output(b, "Reshape", [v, b.const([-1, nkv, d])], f"new_value.{i}", ["N", nkv, d], f"{name}/new_value")
-        attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn")
+        attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn", exact_sums=fmt.quantized)
         o_key = f"{a}.o_proj"
         attn = _project(b, attn, fmt, f"{o_key}.weight", sd[f"{o_key}.weight"], f"{name}/attn/o_proj",
                         sd.get(f"{o_key}.bias"), f"{o_key}.bias")
