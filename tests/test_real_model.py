@@ -72,5 +72,8 @@ def test_report_inspect_and_peers(real_engine_dir, tmp_path, capsys):
     assert rows["dspark-export dspark"]["identical_to_ar"] is True
     for name in ("onnxruntime-genai", "transformers", "transformers-pld"):
         assert rows[name].get("skipped") or rows[name]["tokens_per_s"] > 0, rows[name]
-    # the default directory keeps the TensorRT path: every graph lowers and gets its profiles (no TensorRT needed)
-    assert cli_main(["trt", "plan", "--engine-dir", str(real_engine_dir)]) == 0
+    # the default directory is int4 (MatMulNBits, float64 attention sums): `trt plan` refuses it by name and says
+    # which build the TensorRT backend takes (the fp32 lowering: tests/engines/test_trt_lowering.py)
+    capsys.readouterr()
+    assert cli_main(["trt", "plan", "--engine-dir", str(real_engine_dir)]) != 0
+    assert "--weights fp32" in capsys.readouterr().err

@@ -105,8 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                         "checkpoint you bring (drafts exactly as its source), int8 for the shipped drafter")
     b.add_argument("--weights", choices=("int4", "int8", "fp32"), default=None,
                    help="the target's weights: int4 / int8 block-quantized (ONNX Runtime MatMulNBits, block 32; "
-                        "linear layers, LM head and embedding) or fp32 (default: fp32, the only format whose greedy "
-                        "speculative output is token-identical to ar on SmolLM2; int4 is the fastest in "
+                        "linear layers, LM head and embedding) or fp32 (default: int4, the fastest in "
                         "reports/quant/quant.md; fp32 with an imported DeepSpec --drafter)")
     b.add_argument("--draft-vocab", default="auto", metavar="auto|full|N",
                    help="the drafter's draft vocabulary: its LM head computes N rows (the target's N most frequent "

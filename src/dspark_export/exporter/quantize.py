@@ -39,12 +39,10 @@ MS_DOMAIN = "com.microsoft"
 #: weight formats `build --weights` accepts: name -> bits (None = float32, no quantization)
 WEIGHT_FORMATS = {"int4": 4, "int8": 8, "fp32": None}
 
-#: the embedded default's format. fp32, although int4 is the fastest end to end (reports/quant/quant.md):
-#: with accuracy_level 4 MatMulNBits quantizes each activation row to int8, which turns the attention ops'
-#: float-rounding differences between pass shapes (one decode row vs a verification block) into whole
-#: quantization steps, so on SmolLM2 greedy speculative output left `ar`'s (tests/test_real_model.py).
-#: The default keeps the lossless guarantee; int4 / int8 are one flag away.
-DEFAULT_WEIGHTS = "fp32"
+#: the embedded default's format: int4, the fastest end to end (reports/quant/quant.md). Lossless because the
+#: quantized graph's attention takes its sums over keys in float64 (target.py, `_fused_attention`): a row's
+#: logits are bitwise the same in a decode pass and in a verification block (tests/exporter/test_quantize.py).
+DEFAULT_WEIGHTS = "int4"
 
 #: doc_string of an initializer that is a view of another one's bytes (`builder.save_model` points it there)
 VIEW_DOC = "dspark:view-of:"
