@@ -39,18 +39,30 @@ __all__ = ["measure_profile", "measure_layout_cost", "fit_layout_cost", "time_ru
 _FIT_WARN = 0.25   # a layout fit whose largest relative error exceeds this is reported in `warnings`
 
 
-def time_runner(runner, feed: dict, warmup: int, repeats: int) -> dict:
-    """Latency of `runner.infer(feed)` in ms: {"median_ms", "p10_ms", "p90_ms", "repeats"}."""
-    for _ in range(warmup):
+def time_runner(runner, feed: dict, warmup: int, repeats: int, budget_ms: float | None = None) -> dict:
+    """Latency of `runner.infer(feed)` in ms: {"median_ms", "p10_ms", "p90_ms", "repeats"}.
+
+    With `budget_ms`, a slow pass is timed fewer times (timeit's autorange idea): one warm-up always, the
+    others while the warm-ups took under a quarter of the budget; then at least min(3, repeats) timed runs,
+    more until `repeats` or until the timed runs add up to the budget. "repeats" is the count timed.
+    """
+    spent = 0.0
+    for i in range(max(1, warmup) if warmup else 0):
+        if budget_ms is not None and i and spent >= budget_ms / 4:
+            break
+        t0 = time.perf_counter()
         runner.infer(feed)
-    times = []
-    for _ in range(repeats):
+        spent += (time.perf_counter() - t0) * 1e3
+    times: list[float] = []
+    while len(times) < repeats:
+        if budget_ms is not None and len(times) >= min(3, repeats) and sum(times) >= budget_ms:
+            break
         t0 = time.perf_counter()
         runner.infer(feed)
         times.append((time.perf_counter() - t0) * 1e3)
     p10, med, p90 = np.percentile(times, [10, 50, 90])
     return {"median_ms": round(float(med), 3), "p10_ms": round(float(p10), 3), "p90_ms": round(float(p90), 3),
-            "repeats": repeats}
+            "repeats": len(times)}
 
 
 def _kv_feed(spec: dict, num: int, capacity: int, key: str, value: str) -> dict:
@@ -148,7 +160,7 @@ def _check_monotone(rows: list[dict], dim: str) -> list[str]:
 
 
 def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int = 2, repeats: int = 6,
-                        progress: Callable[[str], None] | None = None) -> dict:
+                        progress: Callable[[str], None] | None = None, budget_ms: float | None = None) -> dict:
     """Fit what padded attention costs on the target engines (module docstring): c_a and c_kv.
 
     Layouts (w = γ + 1 rows per verification, S_max = the most slots a step can have): one slot of w
@@ -167,6 +179,7 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
         warmup: untimed runs per layout. Defaults to 2.
         repeats: timed runs per layout. Defaults to 6.
         progress: called with a short label before each layout.
+        budget_ms: `time_runner`'s time budget per layout (None: always `repeats`).
     Returns:
         {"ms_per_row_entry", "ms_per_slot_entry", "max_error_pct", "layouts": [{"S", "Q", "P", "N", "rows",
         "median_ms", "p10_ms", "p90_ms", "repeats", "fit_ms"}], "underdetermined" (only when true)}.
@@ -187,7 +200,7 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
             if progress:
                 progress(f"attention S={num} rows={sum(sizes)} (longest {max(sizes)}) P={cap}")
             feed = _layout_feed(spec, sizes, num, cap, cap - w, n)
-            stats = time_runner(engines.runner_exact("target", n), feed, warmup, repeats)
+            stats = time_runner(engines.runner_exact("target", n), feed, warmup, repeats, budget_ms)
             rows.append({**_layout_of(feed), "N": n, "rows": sum(sizes), **stats})
     if not rows:
         return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": []}
@@ -223,7 +236,7 @@ def fit_layout_cost(layouts: list[dict], latency_key: str = "median_ms") -> tupl
 
 
 def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3, repeats: int = 10,
-                    progress: Callable[[str], None] | None = None) -> dict:
+                    progress: Callable[[str], None] | None = None, budget_ms: float | None = 1000.0) -> dict:
     """Time every target bucket (SPS table) and every drafter-block bucket.
 
     Args:
@@ -232,6 +245,8 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
         warmup: untimed runs per bucket. Defaults to 3.
         repeats: timed runs per bucket. Defaults to 10.
         progress: called with a short label before each bucket.
+        budget_ms: time budget per bucket and per layout (`time_runner`): the large buckets, whose passes
+            are long and steady, get fewer timed runs. Defaults to 1000 ms; None: always `repeats`.
     Returns:
         the sps.json object (see the module docstring).
     """
@@ -245,14 +260,16 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
         if progress:
             progress(f"target B={b} ({eta.text(len(rows_t))})")
         feed = _target_feed(target, b, context_len, block)
-        stats = time_runner(engines.runner_exact("target", b), feed, warmup, repeats)
+        stats = time_runner(engines.runner_exact("target", b), feed, warmup, repeats, budget_ms)
         rows_t.append({"B": b, **stats, "sps": round(1000.0 / stats["median_ms"], 3), **_layout_of(feed)})
     for r in engines.buckets("drafter_block"):
         if progress:
             progress(f"drafter R={r} ({eta.text(len(rows_t) + len(rows_d))})")
         feed = _block_feed(graphs["drafter_block"]["spec"], r, context_len, block)
-        rows_d.append({"R": r, **time_runner(engines.runner_exact("drafter_block", r), feed, warmup, repeats)})
-    attention = measure_layout_cost(engines, context_len, min(warmup, 2), max(3, repeats // 2), progress=progress)
+        rows_d.append({"R": r, **time_runner(engines.runner_exact("drafter_block", r), feed, warmup, repeats,
+                                             budget_ms)})
+    attention = measure_layout_cost(engines, context_len, min(warmup, 2), max(3, repeats // 2), progress=progress,
+                                    budget_ms=budget_ms)
     fit_warn = [f"attention: the layout fit is off by up to {attention['max_error_pct']} % on the measured layouts"] \
         if attention["max_error_pct"] > 100 * _FIT_WARN else []
     if attention.get("underdetermined"):
