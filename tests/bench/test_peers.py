@@ -43,6 +43,10 @@ def test_ours_and_transformers_on_the_same_prompts(engine_dir):
     assert rows["DSpark (best)"]["policy"] == best["policy"] == result["best_dspark"]["policy"]
     assert rows["transformers-pld"]["prompt_lookup_num_tokens"] == 10
     assert isinstance(rows["transformers"]["identical_to_ar"], bool)
+    for row in rows.values():  # our policies never diverge from ar; a peer's first divergence is a position or None
+        if row.get("policy") not in (None, "ar"):
+            assert row["prompts_identical_to_ar"] == len(row["per_prompt"])
+            assert all(p["first_divergence"] is None for p in row["per_prompt"])
     assert set(result["dspark_speedup_over"]) == {"llama.cpp", "onnxruntime-genai", "onnxruntime-genai-int4",
                                                   "transformers", "transformers-pld"}
     assert result["dspark_speedup_over"]["onnxruntime-genai"] is None  # not run here
@@ -84,7 +88,7 @@ def test_llamacpp_runs_the_gguf_the_engines_were_built_from(build_tiny_engine_di
     from dspark_export.pipeline import BuildConfig, build_engine_dir
 
     out = tmp_path_factory.mktemp("peers-gguf") / "tiny"
-    build_engine_dir(BuildConfig(out=out, target=str(gguf_path), drafter="untrained", **BUCKETS))
+    build_engine_dir(BuildConfig(out=out, target=str(gguf_path), drafter="untrained", weights="fp32", **BUCKETS))
     result = run_peers_bench(PeersBenchConfig(out, prompts=PROMPTS, max_new_tokens=8, chat=False,
                                               systems=("ar", "llama.cpp"), threads=1))
     row = result["results"][-1]
@@ -138,3 +142,11 @@ def test_cli_json_and_errors(engine_dir, tmp_path, capsys):
     assert code == 2 and "systems" in err and "Traceback" not in err
     with pytest.raises(ConfigError, match="baseline"):
         PeersBenchConfig(engine_dir, prompts=("x",), policies=("ar",))
+
+
+def test_first_divergence():
+    from dspark_export.bench.peers import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([1, 2, 3], [1, 2]) == 2

@@ -115,6 +115,7 @@ def write_tiny_llama_gguf(model, path: Path) -> Path:
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -125,13 +126,15 @@ def write_tiny_llama_gguf(model, path: Path) -> Path:
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_tokens()[: config.vocab_size - 3]]
+    # the last byte (252) gives its id to "ab", the one merge: llama.cpp refuses a gpt2 vocabulary without merges
+    # and transformers one whose merge result is not a token
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_tokens()[: config.vocab_size - 4], "ab"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
     writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges([])
+    writer.add_token_merges(["a b"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(2)

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from ..errors import ConfigError, RequestError
 from ..datasets import default_datasets_dir, read_dataset
 from .common import check_datasets, check_engine_dir, is_int
@@ -152,10 +154,22 @@ class _Run:
     def row(self, system: str, ar: "_Run | None", **extra) -> dict:
         total_tokens, total_s = sum(len(t) for t in self.tokens), sum(self.wall_s)
         identical = None if ar is None else all(a == b for a, b in zip(self.tokens, ar.tokens))
+        diverge = [None] * len(self.tokens) if ar is None else [first_divergence(a, b) for a, b in zip(self.tokens, ar.tokens)]
         return {"system": system, "tokens_per_s": round(total_tokens / total_s, 3) if total_s > 0 else None,
                 "tokens": total_tokens, "wall_s": round(total_s, 4),
-                "per_prompt": [{"tokens": len(t), "wall_s": round(s, 4)} for t, s in zip(self.tokens, self.wall_s)],
-                "identical_to_ar": identical, **extra}
+                "per_prompt": [{"tokens": len(t), "wall_s": round(s, 4), "first_divergence": d}
+                               for t, s, d in zip(self.tokens, self.wall_s, diverge)],
+                "identical_to_ar": identical,
+                "prompts_identical_to_ar": None if ar is None else sum(d is None for d in diverge), **extra}
+
+
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """The first generated position where `tokens` and `reference` differ (a length difference counts at the
+    shorter one's end), or None when they are equal."""
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
 # -- systems ---------------------------------------------------------------------------------------------
@@ -458,13 +472,19 @@ def _torch_threads() -> int:
 # -- reports -----------------------------------------------------------------------------------------------
 
 def markdown_table(result: dict) -> str:
-    lines = ["| system | tokens/s | ratio to our ar | tokens | identical to ar | note |", "|---|---:|---:|---:|---|---|"]
+    lines = ["| system | tokens/s | ratio to our ar | tokens | identical to ar | prompts identical (first divergence: "
+             "median) | note |", "|---|---:|---:|---:|---|---|---|"]
     for r in result["results"]:
         tps = f"{r['tokens_per_s']:.2f}" if r.get("tokens_per_s") else "–"
         ratio = f"{r['ratio_to_ar']:.2f}" if r.get("ratio_to_ar") else "–"
         note = r.get("skipped") or (f"best of {', '.join(r['best_of'])}: {r['policy']}" if r.get("best_of") else "")
+        agree = "–"
+        if r.get("prompts_identical_to_ar") is not None:
+            diverged = [p["first_divergence"] for p in r["per_prompt"] if p.get("first_divergence") is not None]
+            agree = f"{r['prompts_identical_to_ar']}/{len(r['per_prompt'])}" + \
+                (f" ({int(np.median(diverged))})" if diverged else "")
         lines.append(f"| {r['system']} | {tps} | {ratio} | {r.get('tokens', '–')} | "
-                     f"{r.get('identical_to_ar', '–')} | {note} |")
+                     f"{r.get('identical_to_ar', '–')} | {agree} | {note} |")
     return "\n".join(lines)
 
 
