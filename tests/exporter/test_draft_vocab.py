@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -164,6 +165,61 @@ def test_d2t_block_drafts_inside_the_draft_vocabulary(tiny_llama, layer_weights)
         if layer_weights == "float32":  # the d2t columns are the full head's base logits (slot 0: anchor bias only)
             full = _run(s_full, _block_feed(spec, s_full_ctx, temperature))
             np.testing.assert_allclose(logits[:, 0, d2t], full["draft_logits"][:, 0, d2t], atol=1e-4)
+
+
+def _scatter_first(block: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
+    """The block graph with MarkovDraft over the full vocabulary again: base logits scattered to V before the op
+    (the form every backend had before the op took d2t; here by the TensorRT lowering's own expansion)."""
+    from dspark_export.engines.trt.lowering import expand_draft_vocab
+    from dspark_export.plugins.markov_draft.onnx_function import make_function
+
+    out = onnx.ModelProto()
+    out.CopyFrom(block)
+    assert expand_draft_vocab(out.graph) == ["/drafter_block/markov_draft/MarkovDraft"]
+    out.functions.append(make_function(block_size=block_size, has_markov=True, has_confidence=True))
+    return out
+
+
+@pytest.mark.parametrize("lm_head_dtype", ["float32", "int8"])
+def test_markov_draft_runs_over_the_draft_vocabulary(tiny_llama, lm_head_dtype):
+    """With a Markov head, MarkovDraft takes the N-row logits and W2[d2t] (no scatter before it, no [V, r] table in
+    the graph) and gives what scattering to V first gave: same drafts (greedy and sampled with the same
+    uniforms), same logits at d2t and the fill elsewhere, same confidence."""
+    drafter = _drafter(tiny_llama)
+    vocab, rank = drafter.config.vocab_size, drafter.config.markov_rank
+    d2t = np.random.default_rng(6).choice(vocab, 40, replace=False)  # unsorted: the exporter sorts it
+    s_ctx, s_block, spec, block = _sessions(drafter, lm_head_dtype=lm_head_dtype, d2t=d2t)
+    (node,) = [n for n in block.graph.node if n.op_type == "MarkovDraft"]
+    assert node.overload.endswith("_d2t") and len(node.input) == 13
+    inits = {t.name: t for t in block.graph.initializer}
+    assert list(inits[node.input[9]].dims) == [40, rank] and list(inits[node.input[12]].dims) == [40]
+    assert onnx.numpy_helper.to_array(inits[node.input[12]]).tolist() == sorted(d2t.tolist())
+    assert not any(n.op_type == "ScatterElements" for n in block.graph.node)
+    assert not any(list(t.dims) == [vocab, rank] and "markov_w2" in t.name for t in block.graph.initializer)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s_old = ort.InferenceSession(_scatter_first(block, GAMMA).SerializeToString(), so,
+                                 providers=["CPUExecutionProvider"])
+    outside = np.setdiff1d(np.arange(vocab), d2t)
+    for temperature in (0.0, 1.0, 0.7):
+        feed = _block_feed(spec, s_ctx, temperature, seed=3)
+        new, old = _run(s_block, feed), _run(s_old, feed)
+        np.testing.assert_array_equal(new["draft_ids"], old["draft_ids"])
+        np.testing.assert_allclose(new["draft_logits"][..., d2t], old["draft_logits"][..., d2t], rtol=1e-6, atol=1e-5)
+        assert (new["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+        assert (old["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+        np.testing.assert_allclose(new["confidence"], old["confidence"], rtol=1e-6)
+
+
+def test_drafter_without_markov_head_scatters_before_the_op(tiny_llama):
+    """No Markov head: no W1 to carry V, so the logits are scattered to V before MarkovDraft as before."""
+    drafter = _drafter(tiny_llama, markov_rank=0, with_markov=False)
+    d2t = np.sort(np.random.default_rng(7).choice(drafter.config.vocab_size, 40, replace=False))
+    s_ctx, s_block, spec, block = _sessions(drafter, lm_head_dtype="int8", d2t=d2t)
+    (node,) = [n for n in block.graph.node if n.op_type == "MarkovDraft"]
+    assert "d2t" not in node.overload and any(n.op_type == "ScatterElements" for n in block.graph.node)
+    out = _run(s_block, _block_feed(spec, s_ctx, 1.0))
+    assert np.isin(out["draft_ids"], d2t).all()
 
 
 def test_quantized_drafter_layers_are_batch_invariant(tiny_llama):
