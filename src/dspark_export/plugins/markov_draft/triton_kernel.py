@@ -146,9 +146,9 @@ def markov_draft_triton(
     """``reference.markov_draft`` on torch tensors (schema inputs in schema order) with the Triton kernel.
 
     Args:
-        base_logits ... confidence_bias: the schema inputs (see ``schema.py``), torch tensors on one
+        base_logits ... d2t: the schema inputs (see ``schema.py``), torch tensors on one
             device (a CUDA device, or the CPU under ``TRITON_INTERPRET=1``); give both or neither of each
-            optional pair. Inputs are never modified.
+            optional pair, and d2t only with the Markov pair. Inputs are never modified.
         block_v: vocab block per step (a power of two >= 16).
         num_probes: probes per pass of the top-k/top-p searches (a power of two); more probes, fewer passes.
         check_values: also check value ranges (temperature, top_k, top_p, uniforms, anchor ids) as the
