@@ -370,3 +370,41 @@ def test_shipped_drafter_uses_its_committed_choice(tmp_path):
     d2t, info, weights = _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="full", drafter_weights="float32"),
                                           _inputs(str(shipped)))
     assert (d2t, info, weights) == (None, None, "float32")
+
+
+@pytest.mark.real_model
+def test_shipped_block_over_d2t_equals_the_full_vocabulary_form():
+    """The shipped drafter (d2t of 8,192, float32 layers, int8 head): MarkovDraft over d2t gives bitwise the
+    drafts, logits and confidences of the same block with the op expanded back to the full vocabulary."""
+    import torch
+
+    from dspark_export.exporter.drafter import _spec, build_block_graph
+    from dspark_export.modeling.loading import load_build_inputs, shipped_drafter_path
+
+    inputs = load_build_inputs(None, None)
+    drafter, vocab = inputs.drafter, int(inputs.drafter.config.vocab_size)
+    ranking = read_ranking(shipped_drafter_path("") / "draft_vocab.json", vocab)["ranking"]
+    d2t = select_d2t(ranking, 8192, vocab)
+    embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
+    with torch.no_grad():
+        block = build_block_graph(drafter, inputs.rope, embed, "int8", d2t, "float32")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s_new, s_old = (ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+                    for m in (block, _scatter_first(block, drafter.config.block_size)))
+    spec = _spec(drafter, "int8", 8192, "float32")
+    rng = np.random.default_rng(0)
+    R, P = 2, 64
+    outside = np.setdiff1d(np.arange(vocab), d2t)
+    for temperature in (0.0, 0.7):
+        feed = {"anchor_ids": rng.integers(0, vocab, R), "start_positions": np.full(R, P), "context_lens": np.full(R, P),
+                "temperature": np.full(R, temperature, F32), "top_k": np.zeros(R, I64), "top_p": np.ones(R, F32),
+                "uniforms": rng.random((R, spec.block_size), dtype=F32),
+                "confidence_temperature": np.ones(spec.block_size, F32)}
+        for i in range(spec.num_layers):
+            for name in ("context_key", "context_value"):
+                feed[f"{name}.{i}"] = rng.standard_normal((R, spec.num_kv_heads, P, spec.head_dim)).astype(F32)
+        new, old = _run(s_new, feed), _run(s_old, feed)
+        for name in ("draft_ids", "draft_logits", "confidence"):
+            np.testing.assert_array_equal(new[name], old[name], err_msg=name)
+        assert (new["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
