@@ -8,6 +8,11 @@ sessions use `--threads` intra-op threads and are timed interleaved, round after
 load falls on all alike; the median and the interquartile range of the per-round means are reported, and each
 drafter cost as a share of each target step.
 
+With `--profile RUNS`, each drafter block at R = 1 is also run RUNS times under ONNX Runtime's profiler (after
+the timed rounds) and its node time is split into parts by node name (`PROFILE_PARTS`): the MarkovDraft op (its
+inlined function body), the LM head (and the draft-vocabulary scatter), the layers' linear projections and MLP,
+RoPE, attention (scores, softmax, context), norms and residuals, and the rest.
+
 Usage:
     python scripts/bench_drafter_cost.py --ranking src/dspark_export/assets/drafters/smollm2-135m-instruct/draft_vocab.json \
         --target-graph fp32=/tmp/eng/fp32/graphs/target.onnx --sizes 4096,8192,16384,32768,full \
@@ -33,6 +38,49 @@ def _session(model_or_path, threads: int):
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
     data = model_or_path if isinstance(model_or_path, str) else model_or_path.SerializeToString()
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+PROFILE_PARTS = (("markov_draft", ("markov_draft", "MarkovDraft")), ("lm_head", ("lm_head", "draft_vocab")),
+                 ("projections_mlp", ("_proj/", "/mlp/")), ("rope", ("_rope/", "/rope/")), ("attention", ("/attn/",)),
+                 ("norms_residuals", ("layernorm/", "/norm/", "_residual/")))
+"""(part, name fragments) in order: a node belongs to the first part one of whose fragments its name holds."""
+
+
+def _part(node_name: str) -> str:
+    for part, fragments in PROFILE_PARTS:
+        if any(f in node_name for f in fragments):
+            return part
+    return "other"
+
+
+def _profile(model, feed: dict, runs: int) -> dict:
+    """ms per run and share of the summed node time per `PROFILE_PARTS` part (one intra-op thread)."""
+    import collections
+    import tempfile
+
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = 1, 1, 3
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort")
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    warm = 3
+    for _ in range(warm + runs):
+        sess.run(None, feed)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    per_run = len(nodes) // (warm + runs)
+    parts: collections.Counter = collections.Counter()
+    top: collections.Counter = collections.Counter()
+    for e in nodes[-per_run * runs:]:
+        name = e["name"][: -len("_kernel_time")]
+        parts[_part(name)] += e["dur"] / 1e3 / runs
+        top[f"{e['args'].get('op_name', '')} {name}"] += e["dur"] / 1e3 / runs
+    total = sum(parts.values())
+    return {"node_ms": round(total, 3), "ms": {k: round(v, 3) for k, v in parts.most_common()},
+            "share": {k: round(v / total, 3) for k, v in parts.most_common()},
+            "top_nodes_ms": {k: round(v, 3) for k, v in top.most_common(12)}}
 
 
 def _block_feed(spec, R: int, P: int, rng) -> dict:
@@ -72,6 +120,8 @@ def main(argv=None) -> int:
                    help="wall: time.perf_counter; cpu: the process's CPU time (time.process_time), a steadier "
                         "measure of the work on a machine shared with other jobs (use with --threads 1, where "
                         "ONNX Runtime computes in the calling thread and no thread spins)")
+    p.add_argument("--profile", type=int, default=0, metavar="RUNS",
+                   help="also profile each drafter block at R = 1 over RUNS runs (node time per part)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -91,6 +141,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     requests = [int(r) for r in args.requests.split(",")]
     sessions = {}  # label -> (session, {R: feed})
+    models = {}  # drafter label -> ModelProto (for --profile)
     for label_path in args.target_graph:
         label, path = label_path.split("=", 1)
         s = _session(path, args.threads)
@@ -106,6 +157,7 @@ def main(argv=None) -> int:
                 model = build_block_graph(drafter, inputs.rope, embed, "int8", d2t, fmt)
             spec = _spec(drafter, "int8", 0 if d2t is None else len(d2t), fmt)
             s = _session(model, args.threads)
+            models[f"drafter:N={size}:{fmt}"] = model
             sessions[f"drafter:N={size}:{fmt}"] = (s, {R: _block_feed(spec, R, args.context, rng) for R in requests})
             print(f"built N={size} {fmt}", file=sys.stderr, flush=True)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -133,7 +185,12 @@ def main(argv=None) -> int:
             for t, ms in targets.items():
                 row[f"R1_share_of_{t}"] = round(row["R1_ms"] / ms, 3)
             rows.append(row)
+    profiles = {}
+    for label, model in models.items() if args.profile else ():
+        profiles[label] = _profile(model, sessions[label][1][requests[0]], args.profile)
+        print(json.dumps({label: {k: profiles[label][k] for k in ("node_ms", "share")}}), flush=True)
     result = {"command": " ".join(sys.argv), "context": args.context, "threads": args.threads, "clock": args.clock,
+              "profile_R": requests[0] if args.profile else None, "profiles": profiles,
               "rounds": args.rounds,
               "reps": args.reps, "targets_B1_ms": targets, "stats": stats, "rows": rows,
               "note": "machine shared with other jobs during the run; ratios in one interleaved run"}

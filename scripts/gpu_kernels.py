@@ -50,7 +50,7 @@ def correctness(rows: list) -> bool:
     from dspark_export.plugins.registry import OP_REGISTRY
     from dspark_export.plugins.speculative_verify import reference as verify_reference
     from dspark_export.plugins.tensorrt_kernels import launch_trt_order
-    from plugin_cases import MARKOV_CONFIGS, SAMPLING_CASES, markov_feeds, verify_feeds
+    from plugin_cases import MARKOV_CONFIGS, SAMPLING_CASES, draft_vocab_feeds, markov_feeds, verify_feeds
 
     ok = True
 
@@ -85,6 +85,12 @@ def correctness(rows: list) -> bool:
                               block_v=block_v)
                 check(f"MarkovDraft/{tag}/{case}/V{vocab}/trt-order",
                       host(launch_trt_order("MarkovDraft", cuda(feeds), fields)), want)
+                if config["has_markov"]:  # a draft vocabulary of a third of V (the fill, then the d2t columns)
+                    d2t = np.sort(rng.choice(vocab, vocab // 3, replace=False))
+                    draft = draft_vocab_feeds(feeds, d2t)[1]
+                    check(f"MarkovDraft/{tag}/{case}/V{vocab}/d2t/wrapper",
+                          host(OP_REGISTRY["MarkovDraft"].triton(cuda(draft), block_v=block_v)),
+                          markov_reference.run(draft))
     for case in list(SAMPLING_CASES) + ["ties"]:
         for vocab, block_v in ((37, 16), (1000, 1024)):
             rng = np.random.default_rng(zlib.crc32(f"{case}/{vocab}".encode()))

@@ -262,3 +262,46 @@ def test_trt_compare_reference_for_an_int8_head_is_weight_only(engine_dir):
     span = float(np.abs(got["draft_logits"]).max())
     assert 0 < float(np.abs(ref["draft_logits"] - got["draft_logits"]).max()) < 0.05 * span
     assert reference_session(manifest.graph_path("target"), "target")().get_outputs()  # plain graphs load as they are
+
+
+@pytest.mark.parametrize("has_confidence", [True, False])
+def test_draft_vocab_node_expands_to_the_full_vocabulary_plugin(has_confidence):
+    """A MarkovDraft node fed d2t becomes the plugin's full-vocabulary form: the expansion nodes, run on ONNX
+    Runtime, give base logits and W2 over V with which the op without d2t drafts exactly as with it."""
+    import onnxruntime as ort
+
+    from dspark_export.plugins.markov_draft.reference import run as markov_reference
+
+    config = dict(block_size=3, has_markov=True, has_confidence=has_confidence, has_d2t=True)
+    model = make_op_model("MarkovDraft", config, dims={"V": 40, "Vd": 9, "H": 8, "r": 4})
+    result = lower_model(model, "op")
+    assert result.draft_vocab_nodes == ["/MarkovDraft"]
+    plugin = [n for n in result.model.graph.node if n.domain == "dspark"]
+    assert len(plugin) == 1 and len(plugin[0].input) == len(PLUGIN_SPECS["MarkovDraft"].schema.inputs)
+    assert result.plugin_nodes[0]["outputs"]["draft_logits"] == ["R", 3, 40]
+    assert not check_model(result.model)  # no TensorRT findings for the expansion nodes
+    base_full, w2_full = plugin[0].input[0], plugin[0].input[9]
+    # the expansion nodes alone, as an ONNX Runtime model
+    expansion = [n for n in result.model.graph.node if n.domain != "dspark"]
+    inputs = [i for i in result.model.graph.input if i.name in ("base_logits", "markov_w1", "markov_w2", "d2t")]
+    sub = helper.make_model(helper.make_graph(expansion, "expand", inputs, [
+        helper.make_tensor_value_info(base_full, TensorProto.FLOAT, None),
+        helper.make_tensor_value_info(w2_full, TensorProto.FLOAT, None)]), opset_imports=[helper.make_opsetid("", 21)])
+    sess = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(11)
+    d2t = np.sort(rng.choice(40, 9, replace=False)).astype(np.int64)
+    feeds = dict(base_logits=rng.normal(size=(2, 3, 9)).astype(np.float32), hidden=rng.normal(size=(2, 3, 8)).astype(
+        np.float32), anchor_ids=np.array([5, 39]), temperature=np.array([0.0, 1.0], np.float32),
+        top_k=np.zeros(2, np.int64), top_p=np.ones(2, np.float32), uniforms=rng.random((2, 3), dtype=np.float32),
+        confidence_temperature=np.ones(3, np.float32), markov_w1=rng.normal(size=(40, 4)).astype(np.float32),
+        markov_w2=rng.normal(size=(9, 4)).astype(np.float32), d2t=d2t)
+    if has_confidence:
+        feeds.update(confidence_weight=rng.normal(size=12).astype(np.float32), confidence_bias=np.zeros(1, np.float32))
+    got_base, got_w2 = sess.run(None, {k: feeds[k] for k in ("base_logits", "markov_w1", "markov_w2", "d2t")})
+    assert got_base.shape == (2, 3, 40) and got_w2.shape == (40, 4)
+    np.testing.assert_array_equal(got_w2[d2t], feeds["markov_w2"])
+    full = markov_reference({**{k: v for k, v in feeds.items() if k != "d2t"}, "base_logits": got_base,
+                             "markov_w2": got_w2})
+    expected = markov_reference(feeds)
+    for name in expected:
+        np.testing.assert_array_equal(full[name], expected[name], err_msg=name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -166,6 +167,61 @@ def test_d2t_block_drafts_inside_the_draft_vocabulary(tiny_llama, layer_weights)
             np.testing.assert_allclose(logits[:, 0, d2t], full["draft_logits"][:, 0, d2t], atol=1e-4)
 
 
+def _scatter_first(block: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
+    """The block graph with MarkovDraft over the full vocabulary again: base logits scattered to V before the op
+    (the form every backend had before the op took d2t; here by the TensorRT lowering's own expansion)."""
+    from dspark_export.engines.trt.lowering import expand_draft_vocab
+    from dspark_export.plugins.markov_draft.onnx_function import make_function
+
+    out = onnx.ModelProto()
+    out.CopyFrom(block)
+    assert expand_draft_vocab(out.graph) == ["/drafter_block/markov_draft/MarkovDraft"]
+    out.functions.append(make_function(block_size=block_size, has_markov=True, has_confidence=True))
+    return out
+
+
+@pytest.mark.parametrize("lm_head_dtype", ["float32", "int8"])
+def test_markov_draft_runs_over_the_draft_vocabulary(tiny_llama, lm_head_dtype):
+    """With a Markov head, MarkovDraft takes the N-row logits and W2[d2t] (no scatter before it, no [V, r] table in
+    the graph) and gives what scattering to V first gave: same drafts (greedy and sampled with the same
+    uniforms), same logits at d2t and the fill elsewhere, same confidence."""
+    drafter = _drafter(tiny_llama)
+    vocab, rank = drafter.config.vocab_size, drafter.config.markov_rank
+    d2t = np.random.default_rng(6).choice(vocab, 40, replace=False)  # unsorted: the exporter sorts it
+    s_ctx, s_block, spec, block = _sessions(drafter, lm_head_dtype=lm_head_dtype, d2t=d2t)
+    (node,) = [n for n in block.graph.node if n.op_type == "MarkovDraft"]
+    assert node.overload.endswith("_d2t") and len(node.input) == 13
+    inits = {t.name: t for t in block.graph.initializer}
+    assert list(inits[node.input[9]].dims) == [40, rank] and list(inits[node.input[12]].dims) == [40]
+    assert onnx.numpy_helper.to_array(inits[node.input[12]]).tolist() == sorted(d2t.tolist())
+    assert not any(n.op_type == "ScatterElements" for n in block.graph.node)
+    assert not any(list(t.dims) == [vocab, rank] and "markov_w2" in t.name for t in block.graph.initializer)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s_old = ort.InferenceSession(_scatter_first(block, GAMMA).SerializeToString(), so,
+                                 providers=["CPUExecutionProvider"])
+    outside = np.setdiff1d(np.arange(vocab), d2t)
+    for temperature in (0.0, 1.0, 0.7):
+        feed = _block_feed(spec, s_ctx, temperature, seed=3)
+        new, old = _run(s_block, feed), _run(s_old, feed)
+        np.testing.assert_array_equal(new["draft_ids"], old["draft_ids"])
+        np.testing.assert_allclose(new["draft_logits"][..., d2t], old["draft_logits"][..., d2t], rtol=1e-6, atol=1e-5)
+        assert (new["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+        assert (old["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+        np.testing.assert_allclose(new["confidence"], old["confidence"], rtol=1e-6)
+
+
+def test_drafter_without_markov_head_scatters_before_the_op(tiny_llama):
+    """No Markov head: no W1 to carry V, so the logits are scattered to V before MarkovDraft as before."""
+    drafter = _drafter(tiny_llama, markov_rank=0, with_markov=False)
+    d2t = np.sort(np.random.default_rng(7).choice(drafter.config.vocab_size, 40, replace=False))
+    s_ctx, s_block, spec, block = _sessions(drafter, lm_head_dtype="int8", d2t=d2t)
+    (node,) = [n for n in block.graph.node if n.op_type == "MarkovDraft"]
+    assert "d2t" not in node.overload and any(n.op_type == "ScatterElements" for n in block.graph.node)
+    out = _run(s_block, _block_feed(spec, s_ctx, 1.0))
+    assert np.isin(out["draft_ids"], d2t).all()
+
+
 def test_quantized_drafter_layers_are_batch_invariant(tiny_llama):
     """A request's drafts and logits do not depend on its batch mates (MatMulNBits, accuracy_level 4)."""
     drafter = _drafter(tiny_llama)
@@ -314,3 +370,41 @@ def test_shipped_drafter_uses_its_committed_choice(tmp_path):
     d2t, info, weights = _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="full", drafter_weights="float32"),
                                           _inputs(str(shipped)))
     assert (d2t, info, weights) == (None, None, "float32")
+
+
+@pytest.mark.real_model
+def test_shipped_block_over_d2t_equals_the_full_vocabulary_form():
+    """The shipped drafter (d2t of 8,192, float32 layers, int8 head): MarkovDraft over d2t gives bitwise the
+    drafts, logits and confidences of the same block with the op expanded back to the full vocabulary."""
+    import torch
+
+    from dspark_export.exporter.drafter import _spec, build_block_graph
+    from dspark_export.modeling.loading import load_build_inputs, shipped_drafter_path
+
+    inputs = load_build_inputs(None, None)
+    drafter, vocab = inputs.drafter, int(inputs.drafter.config.vocab_size)
+    ranking = read_ranking(shipped_drafter_path("") / "draft_vocab.json", vocab)["ranking"]
+    d2t = select_d2t(ranking, 8192, vocab)
+    embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
+    with torch.no_grad():
+        block = build_block_graph(drafter, inputs.rope, embed, "int8", d2t, "float32")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s_new, s_old = (ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+                    for m in (block, _scatter_first(block, drafter.config.block_size)))
+    spec = _spec(drafter, "int8", 8192, "float32")
+    rng = np.random.default_rng(0)
+    R, P = 2, 64
+    outside = np.setdiff1d(np.arange(vocab), d2t)
+    for temperature in (0.0, 0.7):
+        feed = {"anchor_ids": rng.integers(0, vocab, R), "start_positions": np.full(R, P), "context_lens": np.full(R, P),
+                "temperature": np.full(R, temperature, F32), "top_k": np.zeros(R, I64), "top_p": np.ones(R, F32),
+                "uniforms": rng.random((R, spec.block_size), dtype=F32),
+                "confidence_temperature": np.ones(spec.block_size, F32)}
+        for i in range(spec.num_layers):
+            for name in ("context_key", "context_value"):
+                feed[f"{name}.{i}"] = rng.standard_normal((R, spec.num_kv_heads, P, spec.head_dim)).astype(F32)
+        new, old = _run(s_new, feed), _run(s_old, feed)
+        for name in ("draft_ids", "draft_logits", "confidence"):
+            np.testing.assert_array_equal(new[name], old[name], err_msg=name)
+        assert (new["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()

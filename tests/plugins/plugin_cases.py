@@ -103,3 +103,20 @@ def freeze(feeds: dict) -> dict:
         frozen[name] = array.copy()
         frozen[name].setflags(write=False)
     return frozen
+
+
+def draft_vocab_feeds(feeds: dict, d2t: np.ndarray) -> tuple[dict, dict]:
+    """The two forms of one MarkovDraft call with a draft vocabulary ``d2t`` (strictly ascending):
+
+    - ``scattered``: the pre-d2t path: base logits kept at d2t and OUTSIDE_DRAFT_VOCAB elsewhere, full W2, no d2t;
+    - ``draft``: base logits and W2 rows at d2t only, plus the ``d2t`` input.
+    ``feeds`` is a full-vocabulary feed with Markov weights (``markov_feeds``).
+    """
+    from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB
+
+    scattered_logits = np.full_like(feeds["base_logits"], OUTSIDE_DRAFT_VOCAB)
+    scattered_logits[..., d2t] = feeds["base_logits"][..., d2t]
+    scattered = dict(feeds, base_logits=scattered_logits)
+    draft = dict(feeds, base_logits=np.ascontiguousarray(feeds["base_logits"][..., d2t]),
+                 markov_w2=np.ascontiguousarray(feeds["markov_w2"][d2t]), d2t=np.asarray(d2t, I64))
+    return scattered, draft

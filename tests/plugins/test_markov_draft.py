@@ -10,7 +10,9 @@ from dspark_export.plugins.common.sampling import SamplingBatch, warp_probs
 from dspark_export.plugins.markov_draft.onnx_function import make_node
 from dspark_export.plugins.markov_draft.reference import MarkovDraftWeights, markov_draft, run
 from dspark_export.plugins.markov_draft.schema import MarkovDraftConfig
-from plugin_cases import MARKOV_CONFIGS, SAMPLING_CASES, freeze, markov_feeds, run_ort, sampling_feeds
+from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB
+from plugin_cases import (MARKOV_CONFIGS, SAMPLING_CASES, draft_vocab_feeds, freeze, markov_feeds, run_ort,
+                          sampling_feeds)
 
 F32, I64 = np.float32, np.int64
 SHAPES = {"g4_v50": (4, 50), "g7_v37": (7, 37)}
@@ -30,6 +32,75 @@ def test_onnx_matches_reference(shape_tag, config_tag, case):
         np.testing.assert_array_equal(actual["draft_ids"], expected["draft_ids"])
         np.testing.assert_allclose(actual["draft_logits"], expected["draft_logits"], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(actual["confidence"], expected["confidence"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [*SAMPLING_CASES, "ties"])
+@pytest.mark.parametrize("has_confidence", [True, False])
+def test_draft_vocabulary_equals_scatter_then_full_vocabulary(case, has_confidence):
+    """With d2t (ascending), the op over Vd rows gives what scattering the logits to V first gave: the same
+    drafts under greedy and under sampling with the same uniforms, the same logits at d2t and the fill
+    elsewhere, the same confidence; on the reference and on ONNX Runtime."""
+    config = dict(block_size=4, has_markov=True, has_confidence=has_confidence)
+    has_ties = case == "ties"
+    for seed in range(3):
+        rng = np.random.default_rng(100 + seed)
+        feeds = markov_feeds(rng, "mixed" if has_ties else case, config, num_requests=6, vocab=37, has_ties=has_ties)
+        d2t = np.sort(rng.choice(37, 12, replace=False))
+        scattered, draft = draft_vocab_feeds(feeds, d2t)
+        old = run(scattered)
+        outside = np.setdiff1d(np.arange(37), d2t)
+        assert (old["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()  # fill + bias = fill
+        for new in (run(draft), run_ort("MarkovDraft", dict(config, has_d2t=True), draft)):
+            np.testing.assert_array_equal(new["draft_ids"], old["draft_ids"])
+            assert np.isin(new["draft_ids"], d2t).all()
+            assert new["draft_logits"].shape == old["draft_logits"].shape
+            np.testing.assert_allclose(new["draft_logits"][..., d2t], old["draft_logits"][..., d2t], rtol=1e-6, atol=1e-6)
+            assert (new["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+            np.testing.assert_allclose(new["confidence"], old["confidence"], rtol=1e-6, atol=1e-7)
+
+
+def test_draft_vocabulary_sampling_frequencies_match_the_warped_distribution():
+    """Over d2t, the first draft is distributed as warp(L_0) restricted to d2t: tokens outside never come."""
+    rng = np.random.default_rng(16)
+    trials, vocab = 40_000, 9
+    d2t = np.array([0, 2, 3, 7])
+    feeds = markov_feeds(rng, "t1.3", _config(1, True, False), num_requests=1, vocab=vocab)
+    _, draft = draft_vocab_feeds(feeds, d2t)
+    shared = ("confidence_temperature", "markov_w1", "markov_w2", "d2t")
+    draft = {k: (np.repeat(v, trials, axis=0) if k not in shared else v) for k, v in draft.items()}
+    draft["uniforms"] = rng.random((trials, 1), dtype=F32)
+    outputs = run(draft)
+    target = warp_probs(outputs["draft_logits"][0, 0], draft["temperature"][0], draft["top_k"][0], draft["top_p"][0])
+    assert (target[np.setdiff1d(np.arange(vocab), d2t)] == 0).all()
+    frequencies = np.bincount(outputs["draft_ids"][:, 0], minlength=vocab) / trials
+    assert 0.5 * np.abs(frequencies - target).sum() < 0.02
+
+
+def _d2t_feeds() -> dict:
+    feeds = markov_feeds(np.random.default_rng(9), "t0.7", _config(4, True, True), num_requests=2)  # V = 50
+    return draft_vocab_feeds(feeds, np.array([1, 4, 9, 30]))[1]
+
+
+@pytest.mark.parametrize("mutation, pattern", [
+    (lambda f: _bad(f, d2t=np.array([1, 4, 9, 50])), r"'d2t'.*\[0, V=50\).*d2t\[3\] = 50"),
+    (lambda f: _bad(f, d2t=np.array([-2, 4, 9, 30])), r"'d2t'.*d2t\[0\] = -2"),
+    (lambda f: _bad(f, d2t=np.array([1, 9, 4, 30])), r"'d2t'.*strictly ascending.*d2t\[1\] = 9 >= d2t\[2\] = 4"),
+    (lambda f: _bad(f, markov_w2=np.zeros((50, 5), F32)), r"'markov_w2'.*\[Vd, r\].*Vd=4 from 'base_logits'.*\(50, 5\)"),
+    (lambda f: _bad(f, d2t=np.array([1, 4, 9])), r"'d2t'.*\[Vd\].*Vd=4.*\(3,\)"),
+    (lambda f: _bad(f, d2t=np.array([1, 4, 9, 30], np.int32)), r"'d2t'.*\[Vd\] int64.*int32"),
+    (lambda f: _bad(f, markov_w1=None, markov_w2=None, confidence_weight=np.zeros(8, F32)),
+     r"'d2t'.*needs markov_w1/markov_w2"),
+    (lambda f: _bad(f, d2t=None), r"'markov_w1'.*V = Vd = 4 from 'base_logits'.*\(50, 5\)"),
+])
+def test_draft_vocabulary_errors_name_the_input(mutation, pattern):
+    with pytest.raises(PluginError, match=pattern):
+        run(mutation(_d2t_feeds()))
+
+
+def test_draft_vocabulary_configuration_needs_markov_weights():
+    with pytest.raises(PluginError, match="has_d2t.*needs the Markov weights"):
+        MarkovDraftConfig.from_dict(dict(block_size=4, has_markov=False, has_confidence=True, has_d2t=True))
+    assert MarkovDraftConfig.from_dict(_config(7, True, True) | {"has_d2t": True}).overload == "g7_markov_conf_d2t"
 
 
 def _chain_feeds() -> dict:

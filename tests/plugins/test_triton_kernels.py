@@ -25,7 +25,7 @@ from dspark_export.plugins.markov_draft import reference as markov_reference
 from dspark_export.plugins.registry import OP_REGISTRY
 from dspark_export.plugins.speculative_verify import reference as verify_reference
 from dspark_export.plugins.common.triton_support import has_triton
-from plugin_cases import MARKOV_CONFIGS, SAMPLING_CASES, markov_feeds, sampling_feeds, verify_feeds
+from plugin_cases import MARKOV_CONFIGS, SAMPLING_CASES, draft_vocab_feeds, markov_feeds, sampling_feeds, verify_feeds
 from triton_interpreter import InterpreterWorker
 
 F32, I64 = np.float32, np.int64
@@ -127,6 +127,25 @@ def test_markov_draft_one_hot_rows_and_single_request(worker):
         np.testing.assert_array_equal(_check_markov(worker, feeds)["draft_ids"], [[33, 33]])
 
 
+@needs_triton
+@pytest.mark.parametrize("config_tag, case", [("markov_conf", "mixed"), ("markov", "top_p"), ("markov_conf", "ties")])
+def test_markov_draft_over_a_draft_vocabulary(worker, config_tag, case):
+    """d2t (Vd = 13 of V = 50, a masked tail block): the reference's drafts, and the scatter-then-full-V path's."""
+    config = dict(block_size=3, **MARKOV_CONFIGS[config_tag])
+    rng = np.random.default_rng(zlib.crc32(f"d2t/{config_tag}/{case}".encode()))
+    has_ties = case == "ties"
+    feeds = markov_feeds(rng, "mixed" if has_ties else case, config, num_requests=6, vocab=50, has_ties=has_ties)
+    d2t = np.sort(rng.choice(50, 13, replace=False))
+    d2t[-1] = 49  # the last column, in the masked tail block
+    d2t = np.unique(d2t)
+    scattered, draft = draft_vocab_feeds(feeds, d2t)
+    actual = _check_markov(worker, draft)
+    full = markov_reference.run(scattered)
+    np.testing.assert_array_equal(actual["draft_ids"], full["draft_ids"])
+    np.testing.assert_array_equal(actual["draft_logits"] == full["draft_logits"].min(), full["draft_logits"] <= -1e29)
+    assert np.isin(actual["draft_ids"], d2t).all()
+
+
 # --- SpeculativeVerify ---
 
 RAGGED_LENS = [3, 0, 4, 1, 2, 4]
@@ -218,6 +237,10 @@ def test_wrappers_raise_the_reference_errors():
         markov_kernel.markov_draft_triton(**feeds, **OPTIONS)
     with pytest.raises(PluginError, match="unknown inputs"):
         markov_kernel.run({**feeds, "bogus": feeds["hidden"]}, **OPTIONS)
+    feeds = _tensors(markov_feeds(np.random.default_rng(0), "greedy", config))
+    with pytest.raises(PluginError, match=r"'d2t'.*\[0, V=50\).*d2t\[1\] = 50"):
+        markov_kernel.run({**feeds, "base_logits": feeds["base_logits"][..., :2].contiguous(),
+                           "markov_w2": feeds["markov_w2"][:2].contiguous(), "d2t": torch.tensor([3, 50])}, **OPTIONS)
 
 
 def test_gate_logs_once_and_registry_refuses_without_triton(monkeypatch, caplog):

@@ -33,7 +33,8 @@ drafter_block.onnx (R requests, γ = block size, P context cache length):
 
 The block is [anchor, mask × (γ-1)] at positions start..start+γ-1; it attends bidirectionally to
 itself and to all context entries (paper §3.1; DeepSpec spec §1.3-1.4). It ends in one
-`dspark::MarkovDraft` node (plugins/markov_draft).
+`dspark::MarkovDraft` node (plugins/markov_draft); with a draft vocabulary d2t (and a Markov head) the
+node runs over the N draft rows (LM head and W2 rows at d2t) and scatters draft_logits back to V itself.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ import torch
 
 from ..errors import ConfigError
 from ..plugins.markov_draft import onnx_function as markov_fn
+from ..plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB as _OUTSIDE_DRAFT_VOCAB
 from .builder import (GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
                       swiglu_mlp, two_part_attention)
 
 __all__ = ["DrafterGraphSpec", "build_drafter_graphs", "export_drafter", "check_d2t", "draft_vocab_head",
+           "draft_vocab_logits",
            "quantize_drafter_layers", "drafter_context_io_contract", "drafter_block_io_contract", "LAYER_WEIGHTS"]
 
 TARGET_EMBED = "model.embed_tokens.weight"
@@ -124,10 +127,8 @@ def drafter_block_io_contract(spec: DrafterGraphSpec) -> dict:
 LM_HEAD_DTYPES = ("float32", "int8")
 #: drafter layer weight formats: float32, or ONNX Runtime's MatMulNBits (`quantize_drafter_layers`)
 LAYER_WEIGHTS = ("float32", "int8", "int4")
-#: draft logit of a token outside the draft vocabulary: finite, so the runtime's finiteness check on
-#: draft_logits still means "the drafter broke", and exp(FILL - max) is exactly 0 in float32 for any
-#: temperature up to 1e28, so q is exactly 0 there (see `draft_vocab_head`)
-OUTSIDE_DRAFT_VOCAB = -1e30
+#: draft logit of a token outside the draft vocabulary (the op contract's fill, see its schema)
+OUTSIDE_DRAFT_VOCAB = _OUTSIDE_DRAFT_VOCAB
 
 
 def _spec(drafter, lm_head_dtype: str = "float32", draft_vocab_size: int = 0,
@@ -172,6 +173,14 @@ def draft_vocab_index(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
     return index
 
 
+def draft_vocab_logits(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarray, lm_head_dtype: str) -> str:
+    """Draft-row logits [n, N] of rows h [n, H] through the LM head's d2t rows only (fp32 Gemm or `int8_lm_head`)."""
+    w = np.ascontiguousarray(np.asarray(weight, np.float32)[d2t])
+    if lm_head_dtype == "int8":
+        return int8_lm_head(b, h, w)
+    return b.op("Gemm", [h, b.weight("lm_head.d2t.weight", w)], "lm_head", transB=1)
+
+
 def draft_vocab_head(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarray, lm_head_dtype: str) -> str:
     """Draft logits [n, V] of rows h [n, H] through the LM head's d2t rows only, scattered back to V.
 
@@ -185,11 +194,7 @@ def draft_vocab_head(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarra
     finite, exp(fill − max) underflows to 0), drafts always lie in d2t, and verification with this q stays
     lossless (Leviathan et al. 2023: any q works as long as the draft was drawn from it).
     """
-    w = np.ascontiguousarray(np.asarray(weight, np.float32)[d2t])
-    if lm_head_dtype == "int8":
-        logits = int8_lm_head(b, h, w)
-    else:
-        logits = b.op("Gemm", [h, b.weight("lm_head.d2t.weight", w)], "lm_head", transB=1)
+    logits = draft_vocab_logits(b, h, weight, d2t, lm_head_dtype)
     name = "draft_vocab"
     rows = b.op("Slice", [b.op("Shape", [h], name), b.const([0]), b.const([1])], name)
     base = b.op("Expand", [b.const([[OUTSIDE_DRAFT_VOCAB]], "float32"),
@@ -382,8 +387,9 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
         raise ConfigError(f"drafter LM head dtype: expected one of {list(LM_HEAD_DTYPES)}, found {lm_head_dtype!r}")
     c = drafter.config
     if d2t is not None:
-        d2t = check_d2t(d2t, c.vocab_size)
+        d2t = np.sort(check_d2t(d2t, c.vocab_size))  # MarkovDraft's d2t is strictly ascending
     spec = _spec(drafter, lm_head_dtype, 0 if d2t is None else len(d2t), layer_weights)
+    op_d2t = d2t if spec.markov_rank > 0 else None  # MarkovDraft over the draft vocabulary (needs W1 for V)
     sd = {k: v.detach().float().numpy() for k, v in drafter.state_dict().items()}
     b = GraphBuilder("drafter_block")
     ids, pos = _block_inputs(b, c, spec)
@@ -393,7 +399,9 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     for i in range(c.num_hidden_layers):
         h = _block_layer(b, sd, c, i, h, {"cos": cos, "sin": sin})
     h = rms_norm(b, h, b.weight("norm.weight", sd["norm.weight"]), c.rms_norm_eps, "norm")
-    if d2t is not None:
+    if op_d2t is not None:
+        logits = draft_vocab_logits(b, h, sd["lm_head.weight"], op_d2t, lm_head_dtype)  # [R·γ, N]: no scatter
+    elif d2t is not None:
         logits = draft_vocab_head(b, h, sd["lm_head.weight"], d2t, lm_head_dtype)
     elif lm_head_dtype == "int8":
         logits = int8_lm_head(b, h, sd["lm_head.weight"])
@@ -401,12 +409,15 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
         head = b.weight(_embed_name(sd, "lm_head.weight", target_embed), sd["lm_head.weight"])
         logits = b.op("Gemm", [h, head], "lm_head", transB=1)
     hidden3 = b.op("Reshape", [h, b.const([-1, c.block_size, c.hidden_size])], "hidden")
-    logits3 = b.op("Reshape", [logits, b.const([-1, c.block_size, c.vocab_size])], "base_logits")
+    rows = c.vocab_size if op_d2t is None else len(op_d2t)
+    logits3 = b.op("Reshape", [logits, b.const([-1, c.block_size, rows])], "base_logits")
     op_inputs = [logits3, hidden3, "anchor_ids", "temperature", "top_k", "top_p", "uniforms",
                  "confidence_temperature"]
-    op_inputs += _head_weights(b, sd, spec)
+    op_inputs += _head_weights(b, sd, spec, op_d2t)
     outs = [f"/drafter_block/markov_draft/{n}" for n in ("draft_ids", "draft_logits", "confidence")]
     config = dict(block_size=c.block_size, has_markov=spec.markov_rank > 0, has_confidence=spec.has_confidence)
+    if op_d2t is not None:
+        config["has_d2t"] = True
     b.add_function(markov_fn.make_function(**config))
     b.nodes.append(markov_fn.make_node(op_inputs, outs, "/drafter_block/markov_draft/MarkovDraft", **config))
     for (name, shape, dtype), value in zip(drafter_block_io_contract(spec)["outputs"], outs + [hidden3]):
@@ -414,13 +425,16 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     return quantize_drafter_layers(b.model(doc="dspark-export drafter block graph"), layer_weights)
 
 
-def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec) -> list[str]:
-    """MarkovDraft's optional weight inputs, in schema order ('' for an absent optional input)."""
+def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec, d2t: np.ndarray | None = None) -> list[str]:
+    """MarkovDraft's optional inputs, in schema order ('' for an absent optional input); with ``d2t`` (sorted),
+    W2's rows at d2t and d2t itself."""
     names = []
     if spec.markov_rank > 0:
         names.append(b.weight("markov_head.markov_w1.weight", sd["markov_head.markov_w1.weight"]))
         # nn.Linear(r, V) stores W2 as [V, r], the op's layout.
-        names.append(b.weight("markov_head.markov_w2.weight", sd["markov_head.markov_w2.weight"]))
+        w2 = sd["markov_head.markov_w2.weight"]
+        names.append(b.weight("markov_head.markov_w2.weight", w2) if d2t is None else
+                     b.weight("markov_head.markov_w2.d2t.weight", np.ascontiguousarray(w2[d2t])))
     else:
         names += ["", ""]
     if spec.has_confidence:
@@ -433,6 +447,7 @@ def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec) -> list[str
         names.append(b.weight("confidence_head.proj.bias", sd["confidence_head.proj.bias"].reshape(1)))
     else:
         names += ["", ""]
+    names.append("" if d2t is None else b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64)))
     while names and names[-1] == "":
         names.pop()
     return names

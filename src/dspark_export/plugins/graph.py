@@ -3,7 +3,8 @@
 The model holds one custom node and the op's function in ``ModelProto.functions``, so ONNX Runtime
 runs it with no custom-op library. Graph inputs and outputs carry the schema's names; absent optional
 inputs are left out. Symbolic dimensions become ``dim_param`` names (``R``, ``gamma``, ``R_plus_1``)
-unless ``dims`` pins them; MarkovDraft pins γ from its ``block_size``.
+unless ``dims`` pins them; MarkovDraft pins γ from its ``block_size`` and, without a draft vocabulary,
+names its Vd dimension V (Vd = V then).
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def make_op_model(
     sizes = dict(dims or {})
     if "block_size" in config:
         sizes.setdefault("γ", int(config["block_size"]))
+    aliases = {"Vd": "V"} if op_name == "MarkovDraft" and not config.get("has_d2t") else {}
     node_inputs = [name if name in present else "" for name in entry.schema.input_names]
     node = entry.make_node(node_inputs, entry.schema.output_names, f"/{op_name}", **config)
     graph = helper.make_graph(
         [node], f"dspark_{op_name}",
-        [_value_info(entry.schema.input(name), sizes) for name in present],
-        [_value_info(spec, sizes) for spec in entry.schema.outputs],
+        [_value_info(entry.schema.input(name), sizes, aliases) for name in present],
+        [_value_info(spec, sizes, aliases) for spec in entry.schema.outputs],
     )
     model = helper.make_model(
         graph, opset_imports=opset_imports(), functions=[entry.make_function(**config)], ir_version=IR_VERSION,
@@ -59,8 +61,9 @@ def make_op_model(
     return model
 
 
-def _value_info(spec: TensorSpec, sizes: Mapping[str, int]) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(spec.name, spec.elem_type, [_dim(expr, sizes) for expr in spec.shape])
+def _value_info(spec: TensorSpec, sizes: Mapping[str, int], aliases: Mapping[str, str]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(spec.name, spec.elem_type,
+                                         [_dim(aliases.get(expr, expr), sizes) for expr in spec.shape])
 
 
 def _dim(expr: str, sizes: Mapping[str, int]) -> int | str:

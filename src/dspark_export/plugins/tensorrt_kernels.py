@@ -34,7 +34,7 @@ import triton
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common.triton_support import next_power_of_2
 from dspark_export.plugins.markov_draft import tensorrt as markov_draft_trt
-from dspark_export.plugins.markov_draft.schema import SCHEMA as MARKOV_DRAFT_SCHEMA
+from dspark_export.plugins.markov_draft.tensorrt import PLUGIN_SCHEMA as MARKOV_DRAFT_SCHEMA
 from dspark_export.plugins.markov_draft.triton_kernel import markov_draft_trt_kernel
 from dspark_export.plugins.registry import PLUGIN_SPECS
 from dspark_export.plugins.speculative_verify import tensorrt as verify_trt

@@ -15,6 +15,12 @@ CumSum that TensorRT 10 does not import). The lowering, per ``dspark`` node:
 - declares each output's type and shape (``value_info``) from the plugin's output rules, since ONNX shape
   inference knows nothing of a plugin node.
 
+A MarkovDraft node with a draft vocabulary (input ``d2t``) is first expanded to the full-vocabulary form the
+plugin takes (``expand_draft_vocab``): its base logits [R, γ, Vd] are scattered to [R, γ, V] with
+``OUTSIDE_DRAFT_VOCAB`` (ScatterElements) and its W2 rows [Vd, r] into a zero [V, r] table (ScatterND), and
+``d2t`` is dropped. The drafts, logits and confidence are the same (plugins/markov_draft/schema.py says why);
+the GPU then reads the full W2, which on a GPU is small next to the block's other reads.
+
 An int8 drafter LM head (``exporter.drafter.int8_lm_head``: per-row quantization of h with Abs, ReduceMax,
 Round, Clip and Cast to uint8, then MatMulInteger, which TensorRT 10 does not import, and the scale
 products) becomes weight-only int8: ``MatMul(h, DequantizeLinear(w_q, scale, axis=1))`` with the same int8
@@ -46,12 +52,14 @@ from onnx import helper, numpy_helper
 from ...errors import BuildError, PluginError
 from ...plugins.common import DOMAIN
 from ...plugins.common.tensorrt_spec import PLUGIN_NAMESPACE, PLUGIN_VERSION, PluginSpec
+from ...plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB
+from ...plugins.markov_draft.schema import SCHEMA as MARKOV_DRAFT_SCHEMA
 from ...plugins.registry import PLUGIN_SPECS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoweredGraph", "lower_model", "lower_file", "lower_int8_heads", "PLACEHOLDER_PREFIX",
-           "LOWERED_SUFFIX"]
+__all__ = ["LoweredGraph", "lower_model", "lower_file", "lower_int8_heads", "expand_draft_vocab",
+           "PLACEHOLDER_PREFIX", "LOWERED_SUFFIX"]
 
 PLACEHOLDER_PREFIX = "dspark_trt.absent."
 """Name prefix of the placeholder initializers fed to absent optional plugin inputs."""
@@ -71,6 +79,7 @@ class LoweredGraph:
         plugin_nodes: per plugin node {"node", "plugin", "fields", "placeholders", "outputs"}.
         dropped_functions: ``domain::name[overload]`` of every local function removed.
         int8_heads: the MatMul node of every int8 LM head rewritten to DequantizeLinear + MatMul.
+        draft_vocab_nodes: every MarkovDraft node expanded from a draft vocabulary (``expand_draft_vocab``).
     """
 
     name: str
@@ -78,14 +87,15 @@ class LoweredGraph:
     plugin_nodes: list[dict] = dataclasses.field(default_factory=list)
     dropped_functions: list[str] = dataclasses.field(default_factory=list)
     int8_heads: list[str] = dataclasses.field(default_factory=list)
+    draft_vocab_nodes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def changed(self) -> bool:
-        return bool(self.plugin_nodes or self.dropped_functions or self.int8_heads)
+        return bool(self.plugin_nodes or self.dropped_functions or self.int8_heads or self.draft_vocab_nodes)
 
     def summary(self) -> dict:
         return {"graph": self.name, "plugin_nodes": self.plugin_nodes, "dropped_functions": self.dropped_functions,
-                "int8_heads": self.int8_heads}
+                "int8_heads": self.int8_heads, "draft_vocab_nodes": self.draft_vocab_nodes}
 
 
 def _shape_of(vi: onnx.ValueInfoProto) -> tuple | None:
@@ -133,6 +143,67 @@ def _fields_from_node(spec: PluginSpec, node: onnx.NodeProto, present: set[str],
         raise BuildError(f"{graph}: node {node.name!r}: {e}") from e
 
 
+def expand_draft_vocab(graph: onnx.GraphProto, name: str = "model") -> list[str]:
+    """Rewrite each MarkovDraft node fed a ``d2t`` to the full-vocabulary form, in place (module docstring).
+
+    Returns:
+        The names of the rewritten nodes.
+    Raises:
+        BuildError: a node with ``d2t`` but no ``markov_w1`` (the op contract forbids it; V comes from W1).
+    """
+    schema = MARKOV_DRAFT_SCHEMA.input_names
+    at = {n: i for i, n in enumerate(schema)}
+    done, nodes = [], []
+    for node in graph.node:
+        given = dict(zip(schema, node.input))
+        if node.domain != DOMAIN or node.op_type != "MarkovDraft" or not given.get("d2t"):
+            nodes.append(node)
+            continue
+        if not given.get("markov_w1") or not given.get("markov_w2"):
+            raise BuildError(f"{name}: node {node.name!r} feeds d2t without markov_w1/markov_w2 (the op needs them "
+                             "with a draft vocabulary)")
+        prefix = f"{node.name}/d2t_expand/"
+        extra: list[onnx.NodeProto] = []
+
+        def op(op_type, inputs, suffix, **attrs):
+            out_name = prefix + suffix
+            extra.append(helper.make_node(op_type, list(inputs), [out_name], name=out_name, **attrs))
+            return out_name
+
+        def const(value, dtype, suffix):
+            return op("Constant", [], suffix, value=numpy_helper.from_array(np.asarray(value, dtype), prefix + suffix))
+
+        base, w1, w2, d2t = given["base_logits"], given["markov_w1"], given["markov_w2"], given["d2t"]
+        base_shape = op("Shape", [base], "base_shape")
+        vocab = op("Shape", [w1], "vocab", start=0, end=1)  # [V]
+        rank = op("Shape", [w2], "rank", start=1, end=2)  # [r]
+        fill = op("Expand", [const([[[OUTSIDE_DRAFT_VOCAB]]], np.float32, "fill_value"),
+                             op("Concat", [op("Shape", [base], "rows", start=0, end=2), vocab], "fill_shape", axis=0)],
+                  "fill")
+        index = op("Expand", [op("Reshape", [d2t, const([1, 1, -1], np.int64, "index_shape")], "index_row"),
+                              base_shape], "index")
+        base_full = op("ScatterElements", [fill, index, base], "base_logits", axis=2)
+        zeros = op("Expand", [const([[0.0]], np.float32, "zero"), op("Concat", [vocab, rank], "w2_shape", axis=0)],
+                   "w2_zeros")
+        w2_full = op("ScatterND", [zeros, op("Unsqueeze", [d2t, const([1], np.int64, "axis")], "w2_index"), w2],
+                     "markov_w2")
+        inputs = list(node.input)[:at["d2t"]]
+        inputs[at["base_logits"]], inputs[at["markov_w2"]] = base_full, w2_full
+        while inputs and not inputs[-1]:
+            inputs.pop()
+        rewritten = onnx.NodeProto()
+        rewritten.CopyFrom(node)
+        del rewritten.input[:]
+        rewritten.input.extend(inputs)
+        rewritten.overload = "_".join(p for p in node.overload.split("_") if p != "d2t")
+        nodes += extra + [rewritten]
+        done.append(node.name)
+    if done:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return done
+
+
 def _placeholder(input_name: str, rank: int) -> onnx.TensorProto:
     return numpy_helper.from_array(np.zeros((1,) * rank, np.float32), PLACEHOLDER_PREFIX + input_name)
 
@@ -166,11 +237,12 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
                          "built with --weights or --drafter-weights int4 or int8); build it with `dspark-export build "
                          "--weights fp32 --drafter-weights float32` for the TensorRT backend")
     result.int8_heads = lower_int8_heads(out.graph, name)
+    result.draft_vocab_nodes = expand_draft_vocab(out.graph, name)
     if not any(n.domain == DOMAIN for n in out.graph.node):
         if result.int8_heads and check:
             _check(result)
         return result
-    shapes = _known_shapes(model, name)
+    shapes = _known_shapes(out, name)
     declared = {vi.name for vi in [*out.graph.output, *out.graph.value_info]}
     placeholders: dict[str, onnx.TensorProto] = {}
     new_nodes = []

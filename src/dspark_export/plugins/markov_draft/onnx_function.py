@@ -1,18 +1,23 @@
 """``dspark::MarkovDraft`` as an ONNX function of standard ops (opset 21), so ONNX Runtime runs it unaided.
 
 I/O contract: the table in ``markov_draft/schema.py``. The γ slots are unrolled (γ is static, from
-``MarkovDraftConfig.block_size``); R and V stay dynamic. The body depends on the configuration, so
+``MarkovDraftConfig.block_size``); R, V and Vd stay dynamic. The body depends on the configuration, so
 the function carries the overload ``MarkovDraftConfig.overload`` and nodes name the same overload.
 
     prev = anchor_ids
     for k in 0..γ-1:                       (unrolled)
-        L_k  = Gather(base_logits, k, axis 1) [+ MatMul(Gather(W1, prev), W2ᵀ)]      [R, V]
-        x_k  = If(every temperature <= 0,                                           [R]
+        L_k  = Gather(base_logits, k, axis 1) [+ MatMul(Gather(W1, prev), W2ᵀ)]      [R, Vd]
+        j_k  = If(every temperature <= 0,                                           [R]
                   ArgMax(L_k),                                     (greedy batch: no warp, no sampling)
                   Where(temperature <= 0, ArgMax(L_k), sample(warp(L_k), u[:, k])))
+        x_k  = j_k, or Gather(d2t, j_k) with a draft vocabulary (target ids)
         prev = x_k
     draft_ids = Concat(x_k), draft_logits = Concat(L_k)
+        with d2t: ScatterElements(Expand(OUTSIDE_DRAFT_VOCAB, [R, γ, V]), Expand(d2t, [R, γ, Vd]), ·, axis 2)
     confidence = Sigmoid((MatMul(Concat(hidden, Gather(W1, [anchor, x_0..x_{γ-2}])), w) + b) / T)
+
+With d2t every per-slot op (the W2 product, warp, sampling, argmax) reads Vd rows, not V: the Markov
+table W2 [V, r] was the largest read of the drafter block on CPU (reports/drafter/draft-vocab.md).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from onnx import TensorProto, helper
 
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
-from dspark_export.plugins.markov_draft.schema import SCHEMA, MarkovDraftConfig
+from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB, SCHEMA, MarkovDraftConfig
 from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function, make_if
 from dspark_export.plugins.common.onnx_sampling import emit_argmax, emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 
@@ -36,7 +41,8 @@ def make_function(**static_config) -> onnx.FunctionProto:
     """The function body for one configuration.
 
     Args:
-        **static_config: the fields of ``MarkovDraftConfig``: block_size (γ), has_markov, has_confidence.
+        **static_config: the fields of ``MarkovDraftConfig``: block_size (γ), has_markov, has_confidence,
+            has_d2t (optional).
 
     Returns:
         FunctionProto ``dspark.MarkovDraft`` with overload ``config.overload``; formal inputs and outputs
@@ -59,11 +65,16 @@ def make_function(**static_config) -> onnx.FunctionProto:
         sampled = emit_sample(mixed, probs, mixed.op("Gather", "uniforms", mixed.const(k, I64), axis=1))
         prev = make_if(step, all_greedy, (greedy, emit_argmax(greedy, logits_k)),
                        (mixed, mixed.op("Where", is_greedy, emit_argmax(mixed, logits_k), sampled)), TensorProto.INT64)
+        if config.has_d2t:
+            prev = step.op("Gather", "d2t", prev, axis=0)  # draft row -> target id
         b.absorb(step)
         ids.append(unsqueeze_last(b, prev))
         logits.append(b.op("Unsqueeze", logits_k, b.const([1], I64)))
     b.op_into("draft_ids", "Concat", *ids, axis=1)
-    b.op_into("draft_logits", "Concat", *logits, axis=1)
+    if config.has_d2t:
+        _emit_scatter(b, b.op("Concat", *logits, axis=1))
+    else:
+        b.op_into("draft_logits", "Concat", *logits, axis=1)
     _emit_confidence(b, config, ids)
     return _make_function(SCHEMA.op_type, SCHEMA.input_names, SCHEMA.output_names, b, SCHEMA.doc, config.overload)
 
@@ -95,6 +106,16 @@ def make_node(inputs: Sequence[str], outputs: Sequence[str], name: str, **config
     while names and not names[-1]:
         names.pop()
     return helper.make_node(SCHEMA.op_type, names, list(outputs), name=name, domain=DOMAIN, overload=parsed.overload)
+
+
+def _emit_scatter(b: NodeBuilder, logits: str) -> None:
+    """draft_logits [R, γ, V]: the draft rows ``logits`` [R, γ, Vd] at columns d2t, OUTSIDE_DRAFT_VOCAB elsewhere."""
+    rows = b.op("Slice", b.op("Shape", logits), b.const([0], I64), b.const([2], I64))  # [R, γ]
+    vocab = b.op("Slice", b.op("Shape", "markov_w1"), b.const([0], I64), b.const([1], I64))  # [V]
+    fill = b.op("Expand", b.const(np.array([[[OUTSIDE_DRAFT_VOCAB]]], np.float32), np.float32),
+                b.op("Concat", rows, vocab, axis=0))
+    index = b.op("Expand", b.op("Reshape", "d2t", b.const([1, 1, -1], I64)), b.op("Shape", logits))
+    b.op_into("draft_logits", "ScatterElements", fill, index, logits, axis=2)
 
 
 def _emit_confidence(b: NodeBuilder, config: MarkovDraftConfig, ids: list[str]) -> None:

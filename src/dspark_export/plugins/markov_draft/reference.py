@@ -3,7 +3,8 @@
 Paper §3.1 (Eq. 5, 7); DeepSpec ``VanillaMarkov.sample_block_tokens`` and ``AcceptRatePredictor``
 (deepspec_reference.md §1.6, §1.7, §2.4). Pure: no globals, no RNG (the uniforms are inputs), inputs
 never modified. Greedy is the temperature-0 case of the same code (``warp_probs`` gives a one-hot).
-Dimension letters: R requests, γ draft slots, V vocab, H hidden size, r Markov rank.
+Dimension letters: R requests, γ draft slots, V vocab, Vd draft vocabulary (= V without d2t), H hidden
+size, r Markov rank.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common.sampling import SamplingBatch, check_sampling_values, sample_from_probs, warp_probs
-from dspark_export.plugins.markov_draft.schema import SCHEMA
+from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB, SCHEMA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +29,15 @@ class MarkovDraftWeights:
         markov_w2: [V, r] float32 or None.
         confidence_weight: [H+r] float32 (length H without Markov weights) or None.
         confidence_bias: [1] float32 or None.
+        d2t: [Vd] int64 draft vocabulary (strictly ascending target ids) or None; needs the Markov pair,
+            whose ``markov_w2`` then holds the Vd rows of W2 at d2t.
     """
 
     markov_w1: np.ndarray | None = None
     markov_w2: np.ndarray | None = None
     confidence_weight: np.ndarray | None = None
     confidence_bias: np.ndarray | None = None
+    d2t: np.ndarray | None = None
 
 
 class MarkovDraftOutputs(NamedTuple):
@@ -56,7 +60,7 @@ def markov_draft(
     """Draft γ tokens left to right, each conditioned on the one before (anchor for slot 0).
 
     Args:
-        base_logits: [R, γ, V] float32, drafter LM-head logits U_k.
+        base_logits: [R, γ, Vd] float32, drafter LM-head logits U_k (over d2t when ``weights.d2t`` is given).
         hidden: [R, γ, H] float32, post-final-norm drafter hidden h_k.
         anchor_ids: [R] int64, last committed token x_{-1}.
         sampling: temperature/top_k/top_p, each [R] (see ``SamplingBatch``).
@@ -72,19 +76,25 @@ def markov_draft(
     """
     feeds = _feeds(base_logits, hidden, anchor_ids, sampling, uniforms, confidence_temperature, weights)
     check_arguments(feeds, sampling, uniforms)
-    w1, w2 = weights.markov_w1, weights.markov_w2
+    w1, w2, d2t = weights.markov_w1, weights.markov_w2, weights.d2t
     has_markov = w1 is not None
     ids, logits, prev = [], [], anchor_ids
     for k in range(base_logits.shape[1]):
-        logits_k = base_logits[:, k] + (w1[prev] @ w2.T if has_markov else np.float32(0))
-        ids_k = sample_from_probs(warp_probs(logits_k, *sampling.as_tuple()), uniforms[:, k])
+        logits_k = base_logits[:, k] + (w1[prev] @ w2.T if has_markov else np.float32(0))  # [R, Vd]
+        rows_k = sample_from_probs(warp_probs(logits_k, *sampling.as_tuple()), uniforms[:, k])
+        ids_k = rows_k if d2t is None else d2t[rows_k]  # target ids
         ids.append(ids_k)
         logits.append(logits_k)
         prev = ids_k
     draft_ids = np.stack(ids, axis=1)
     prev_ids = np.concatenate([anchor_ids[:, None], draft_ids[:, :-1]], axis=1)
     confidence = _confidence(hidden, prev_ids, confidence_temperature, weights)
-    return MarkovDraftOutputs(draft_ids, np.stack(logits, axis=1).astype(np.float32), confidence)
+    draft_logits = np.stack(logits, axis=1).astype(np.float32)
+    if d2t is not None:  # scatter the Vd draft rows back to V
+        full = np.full(draft_logits.shape[:2] + (w1.shape[0],), OUTSIDE_DRAFT_VOCAB, np.float32)
+        full[..., d2t] = draft_logits
+        draft_logits = full
+    return MarkovDraftOutputs(draft_ids, draft_logits, confidence)
 
 
 def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -129,15 +139,40 @@ def preset_dims(feeds: Mapping[str, np.ndarray | None]) -> dict[str, int]:
     return {} if feeds.get("markov_w1") is not None else {"r": 0}
 
 
-def check_arguments(feeds: dict, sampling: SamplingBatch, uniforms: np.ndarray) -> None:
+def check_arguments(feeds: dict, sampling: SamplingBatch, uniforms: np.ndarray) -> dict[str, int]:
     """Raise PluginError unless the feeds meet the schema, the optional weights come in pairs, the sampling
-    values and uniforms are in range and the anchor ids are inside the vocabulary (shared with the Triton path)."""
+    values and uniforms are in range, the anchor ids are inside the vocabulary and a ``d2t`` comes with the
+    Markov weights and holds strictly ascending ids in [0, V) (shared with the Triton path).
+
+    Returns:
+        The bound dimension letters, V and Vd always among them (Vd = V without d2t).
+    """
+    name = SCHEMA.qualified_name
     for pair in (("markov_w1", "markov_w2"), ("confidence_weight", "confidence_bias")):
-        if (feeds[pair[0]] is None) != (feeds[pair[1]] is None):
-            raise PluginError(f"{SCHEMA.qualified_name}: give both or neither of {pair}, found only one")
+        if (feeds.get(pair[0]) is None) != (feeds.get(pair[1]) is None):
+            raise PluginError(f"{name}: give both or neither of {pair}, found only one")
+    d2t = feeds.get("d2t")
+    if d2t is not None and feeds.get("markov_w1") is None:
+        raise PluginError(f"{name} input 'd2t': a draft vocabulary needs markov_w1/markov_w2 (markov_w1 [V, r] "
+                          "carries V), found no Markov weights")
     dims = SCHEMA.check_inputs(feeds, preset_dims(feeds))
-    check_sampling_values(SCHEMA.qualified_name, sampling, uniforms)
+    dims.setdefault("V", dims["Vd"])
+    if d2t is None and dims["V"] != dims["Vd"]:
+        raise PluginError(f"{name} input 'markov_w1': expected [V, r] float32 with V = Vd = {dims['Vd']} from "
+                          f"'base_logits' (no d2t: the op runs over the full vocabulary), found shape "
+                          f"{tuple(feeds['markov_w1'].shape)}")
+    check_sampling_values(name, sampling, uniforms)
     anchors = feeds["anchor_ids"]
     if np.any((anchors < 0) | (anchors >= dims["V"])):
-        raise PluginError(f"{SCHEMA.qualified_name} input 'anchor_ids': expected ids in [0, V={dims['V']}), "
+        raise PluginError(f"{name} input 'anchor_ids': expected ids in [0, V={dims['V']}), "
                           f"found {anchors[(anchors < 0) | (anchors >= dims['V'])][:4].tolist()}")
+    if d2t is not None:
+        bad = np.flatnonzero((d2t < 0) | (d2t >= dims["V"]))
+        if bad.size:
+            raise PluginError(f"{name} input 'd2t': expected target ids in [0, V={dims['V']}), found "
+                              f"d2t[{bad[0]}] = {int(d2t[bad[0]])} ({bad.size} out of range)")
+        down = np.flatnonzero(np.diff(d2t) <= 0)
+        if down.size:
+            raise PluginError(f"{name} input 'd2t': expected strictly ascending ids, found d2t[{down[0]}] = "
+                              f"{int(d2t[down[0]])} >= d2t[{down[0] + 1}] = {int(d2t[down[0] + 1])}")
+    return dims

@@ -5,10 +5,18 @@ The sequential stage of DSpark (paper §3.1, Eq. 5 and 7; DeepSpec ``markov_head
 ``L_k = U_k + W2·W1[x_{k-1}]`` (x_{-1} = anchor), ``x_k = sample(warp(L_k), u_k)`` and
 ``conf_k = σ(([h_k ; W1[x_{k-1}]]·w + b) / T_k)``. Without Markov weights the bias is 0 and the
 confidence input is h_k alone (r = 0); without confidence weights the confidence is 1.
+With a draft vocabulary ``d2t`` (Vd target ids, strictly ascending; FR-Spec, EAGLE-3's d2t; needs the
+Markov weights, whose W1 carries V) the slots are computed over the Vd draft rows only: U_k and W2 hold
+those rows, the sampling and argmax run over them, ``x_k = d2t[j_k]`` is a target id, and ``draft_logits``
+is scattered back to V with ``OUTSIDE_DRAFT_VOCAB`` everywhere else. Without ``d2t``, Vd = V. Ascending
+order makes the result equal, id for id under the same uniforms, to scattering U_k to V first and
+running the op without ``d2t`` (fill + bias rounds to the fill; ties and the sampling's cumulative sums
+meet the tokens in the same order). ``d2t`` is a trailing optional input, so the op stays at version 1:
+a node without it means what it meant before, and a graph carries its own function body.
 
 | name | shape | dtype | meaning |
 | --- | --- | --- | --- |
-| in `base_logits` | [R, γ, V] | float32 | drafter LM-head logits U_k of each slot |
+| in `base_logits` | [R, γ, Vd] | float32 | drafter LM-head logits U_k of each slot (over d2t when given; Vd = V without d2t) |
 | in `hidden` | [R, γ, H] | float32 | post-final-norm drafter hidden h_k of each slot |
 | in `anchor_ids` | [R] | int64 | last committed token (x_{-1}) |
 | in `temperature` | [R] | float32 | 0 = greedy |
@@ -17,11 +25,12 @@ confidence input is h_k alone (r = 0); without confidence weights the confidence
 | in `uniforms` | [R, γ] | float32 | one uniform in [0, 1) per draft slot |
 | in `confidence_temperature` | [γ] | float32 | STS temperature T_k per slot (ones when uncalibrated) |
 | in `markov_w1` (optional) | [V, r] | float32 | Markov embedding W1 |
-| in `markov_w2` (optional) | [V, r] | float32 | Markov output projection W2 (nn.Linear(r, V) weight) |
+| in `markov_w2` (optional) | [Vd, r] | float32 | Markov output projection W2 (nn.Linear(r, V) weight; its rows at d2t when given) |
 | in `confidence_weight` (optional) | [H+r] | float32 | confidence head weight w (length H without Markov weights) |
 | in `confidence_bias` (optional) | [1] | float32 | confidence head bias b |
-| out `draft_ids` | [R, γ] | int64 | drafted tokens x_k |
-| out `draft_logits` | [R, γ, V] | float32 | Markov-corrected logits L_k each draft was drawn from (before warping) |
+| in `d2t` (optional) | [Vd] | int64 | draft vocabulary: target id of each draft row, strictly ascending, in [0, V) |
+| out `draft_ids` | [R, γ] | int64 | drafted tokens x_k (target ids) |
+| out `draft_logits` | [R, γ, V] | float32 | Markov-corrected logits L_k each draft was drawn from (before warping; OUTSIDE_DRAFT_VOCAB outside d2t) |
 | out `confidence` | [R, γ] | float32 | calibrated conditional acceptance probability σ(z_k / T_k) |
 """
 
@@ -43,7 +52,8 @@ SCHEMA = OpSchema(
     domain=DOMAIN,
     version=OPSET_VERSION,
     inputs=(
-        TensorSpec("base_logits", ("R", "γ", "V"), F32, "drafter LM-head logits U_k of each slot"),
+        TensorSpec("base_logits", ("R", "γ", "Vd"), F32,
+                   "drafter LM-head logits U_k of each slot (over d2t when given; Vd = V without d2t)"),
         TensorSpec("hidden", ("R", "γ", "H"), F32, "post-final-norm drafter hidden h_k of each slot"),
         TensorSpec("anchor_ids", ("R",), I64, "last committed token (x_{-1})"),
         TensorSpec("temperature", ("R",), F32, "0 = greedy"),
@@ -52,21 +62,31 @@ SCHEMA = OpSchema(
         TensorSpec("uniforms", ("R", "γ"), F32, "one uniform in [0, 1) per draft slot"),
         TensorSpec("confidence_temperature", ("γ",), F32, "STS temperature T_k per slot (ones when uncalibrated)"),
         TensorSpec("markov_w1", ("V", "r"), F32, "Markov embedding W1", optional=True),
-        TensorSpec("markov_w2", ("V", "r"), F32, "Markov output projection W2 (nn.Linear(r, V) weight)", optional=True),
+        TensorSpec("markov_w2", ("Vd", "r"), F32,
+                   "Markov output projection W2 (nn.Linear(r, V) weight; its rows at d2t when given)", optional=True),
         TensorSpec("confidence_weight", ("H+r",), F32,
                    "confidence head weight w (length H without Markov weights)", optional=True),
         TensorSpec("confidence_bias", ("1",), F32, "confidence head bias b", optional=True),
+        TensorSpec("d2t", ("Vd",), I64,
+                   "draft vocabulary: target id of each draft row, strictly ascending, in [0, V)", optional=True),
     ),
     outputs=(
-        TensorSpec("draft_ids", ("R", "γ"), I64, "drafted tokens x_k"),
+        TensorSpec("draft_ids", ("R", "γ"), I64, "drafted tokens x_k (target ids)"),
         TensorSpec("draft_logits", ("R", "γ", "V"), F32,
-                   "Markov-corrected logits L_k each draft was drawn from (before warping)"),
+                   "Markov-corrected logits L_k each draft was drawn from (before warping; OUTSIDE_DRAFT_VOCAB "
+                   "outside d2t)"),
         TensorSpec("confidence", ("R", "γ"), F32, "calibrated conditional acceptance probability σ(z_k / T_k)"),
     ),
-    doc=__doc__.split("\n\n")[1],
+    doc="\n\n".join(__doc__.split("\n\n")[1:3]),
 )
 
 MARKOV_INPUTS = ("markov_w1", "markov_w2")
+DRAFT_VOCAB_INPUTS = ("d2t",)
+OUTSIDE_DRAFT_VOCAB = -1e30
+"""``draft_logits`` of a target token outside d2t: finite, so a finiteness check on draft_logits still means
+"the drafter broke", and exp(fill - max) is exactly 0 in float32 for any temperature up to 1e28, so the
+draft distribution q is exactly 0 there. Adding a Markov bias (|bias| far below ulp(1e30) = 2^76) leaves it
+unchanged, which is why the scatter may come before or after the bias."""
 CONFIDENCE_INPUTS = ("confidence_weight", "confidence_bias")
 
 
@@ -78,35 +98,46 @@ class MarkovDraftConfig:
         block_size: γ, the number of draft slots (unrolled in the ONNX function), ≥ 1.
         has_markov: whether ``markov_w1``/``markov_w2`` are inputs (False: DFlash-style, no bias).
         has_confidence: whether ``confidence_weight``/``confidence_bias`` are inputs (False: confidence 1).
+        has_d2t: whether ``d2t`` is an input (the slots run over the draft vocabulary); needs ``has_markov``.
     """
 
     block_size: int
     has_markov: bool
     has_confidence: bool
+    has_d2t: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise PluginError(f"MarkovDraft block_size: expected an int >= 1, found {self.block_size!r}")
-        for name in ("has_markov", "has_confidence"):
+        for name in ("has_markov", "has_confidence", "has_d2t"):
             if not isinstance(getattr(self, name), bool):
                 raise PluginError(f"MarkovDraft {name}: expected a bool, found {getattr(self, name)!r}")
+        if self.has_d2t and not self.has_markov:
+            raise PluginError("MarkovDraft has_d2t: a draft vocabulary needs the Markov weights (markov_w1 carries "
+                              "V, the size draft_logits is scattered back to), found has_markov=False; without "
+                              "them scatter the logits to V before the op")
 
     @property
     def overload(self) -> str:
         """Function overload tag, e.g. ``"g7_markov_conf"``: distinct configurations coexist in one model."""
-        parts = [f"g{self.block_size}"] + ["markov"] * self.has_markov + ["conf"] * self.has_confidence
+        parts = [f"g{self.block_size}"] + ["markov"] * self.has_markov + ["conf"] * self.has_confidence \
+            + ["d2t"] * self.has_d2t
         return "_".join(parts)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, object]) -> MarkovDraftConfig:
-        """Build from keyword configuration; raises PluginError for missing or unknown keys."""
+        """Build from keyword configuration; raises PluginError for missing or unknown keys (``has_d2t`` may be
+        left out: False)."""
         names = [field.name for field in dataclasses.fields(cls)]
-        if sorted(config) != sorted(names):
-            raise PluginError(f"{SCHEMA.qualified_name} configuration: expected keys {names}, found {sorted(config)}")
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        if not set(required) <= set(config) or not set(config) <= set(names):
+            raise PluginError(f"{SCHEMA.qualified_name} configuration: expected keys {required} (and optionally "
+                              f"{sorted(set(names) - set(required))}), found {sorted(config)}")
         return cls(**config)
 
     @property
     def present_inputs(self) -> tuple[str, ...]:
         """Schema inputs this configuration feeds, in schema order."""
-        absent = set(() if self.has_markov else MARKOV_INPUTS) | set(() if self.has_confidence else CONFIDENCE_INPUTS)
+        absent = set(() if self.has_markov else MARKOV_INPUTS) | set(() if self.has_confidence else CONFIDENCE_INPUTS) \
+            | set(() if self.has_d2t else DRAFT_VOCAB_INPUTS)
         return tuple(name for name in SCHEMA.input_names if name not in absent)

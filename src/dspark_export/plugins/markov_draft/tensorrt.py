@@ -1,17 +1,35 @@
 """The TensorRT plugin form of ``dspark::MarkovDraft``, as data (``common/tensorrt_spec.py`` says how
 TensorRT's ONNX parser reaches it). Pure Python: nothing here imports tensorrt, triton or torch.
 Dimension letters: R requests, γ draft slots, V vocab, H hidden size, r Markov rank.
+
+The plugin takes the full-vocabulary form of the op (``PLUGIN_SCHEMA``: the schema without ``d2t``, Vd = V).
+A node with a draft vocabulary is lowered to that form by ``engines/trt/lowering.py``
+(``expand_draft_vocab``): the base logits are scattered to V with ``OUTSIDE_DRAFT_VOCAB`` and W2's rows to
+a zero [V, r] table before the plugin, which gives the same drafts, logits and confidence (the schema's
+docstring says why ascending d2t makes the two forms equal) at the cost of the full W2 read on the GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from dspark_export.plugins.common.tensorrt_spec import BLOCK_FIELDS, OutputRule, PluginField, PluginSpec
-from dspark_export.plugins.markov_draft.schema import SCHEMA
+from dspark_export.plugins.common.contract import TensorSpec
+from dspark_export.plugins.markov_draft.schema import DRAFT_VOCAB_INPUTS, SCHEMA
+
+
+def _full_vocabulary(spec: TensorSpec) -> TensorSpec:
+    return dataclasses.replace(spec, shape=tuple("V" if d == "Vd" else d for d in spec.shape))
+
+
+PLUGIN_SCHEMA = dataclasses.replace(
+    SCHEMA, inputs=tuple(_full_vocabulary(s) for s in SCHEMA.inputs if s.name not in DRAFT_VOCAB_INPUTS))
+"""The plugin's inputs: the op's without ``d2t``, base_logits [R, γ, V] and markov_w2 [V, r]."""
 
 PLUGIN_SPEC = PluginSpec(
-    SCHEMA,
+    PLUGIN_SCHEMA,
     fields=(
         PluginField("has_markov", "1: markov_w1/markov_w2 are real inputs; 0: placeholders (no bias)",
                     None, (0, 1)),

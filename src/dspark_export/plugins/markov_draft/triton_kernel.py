@@ -7,14 +7,19 @@ Everything runs on the device; the host only checks the inputs and allocates the
     program r:  prev = anchor_ids[r]
     for k in 0..γ-1:
         confidence[r,k] = σ((h_k·w[:H] + W1[prev]·w[H:] + b) / T_k)      (1 without confidence weights)
-        L_k = U_k + W2·W1[prev], blockwise over V → draft_logits[r,k]  (U_k without Markov weights)
+        L_k = U_k + W2·W1[prev], blockwise over Vd → draft_logits[r,k]  (U_k without Markov weights)
+              (with d2t: the row is first filled with OUTSIDE_DRAFT_VOCAB, then draft row j is written
+              at column d2t[j]; only the Vd rows of U_k and W2 are read)
         x_k = argmax L_k (temperature 0) or sample(warp(L_k), u[r,k])   (``triton_sampling``, re-reading L_k)
         draft_ids[r,k] = x_k; prev = x_k
 
 Gate: ``triton_support.has_triton()``. Importing this module imports triton. With
 ``TRITON_INTERPRET=1`` set before triton is first imported in the process, the kernel runs on CPU
 tensors in Triton's interpreter (tests/plugins/triton_interpreter.py).
-Dimension letters: R requests, γ draft slots, V vocab, H hidden size, r Markov rank.
+The warp and sampling then run over the V-wide row as without d2t; the schema's docstring says why this
+equals sampling over the Vd draft rows (ascending d2t, exact zeros outside).
+Dimension letters: R requests, γ draft slots, V vocab, Vd draft vocabulary (= V without d2t), H hidden
+size, r Markov rank.
 """
 
 from __future__ import annotations
@@ -28,18 +33,20 @@ import triton.language as tl
 
 from dspark_export.plugins.common.sampling import SamplingBatch
 from dspark_export.plugins.markov_draft.reference import check_arguments, preset_dims  # the reference's own checks
-from dspark_export.plugins.markov_draft.schema import SCHEMA
+from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB, SCHEMA
 from dspark_export.plugins.common.triton_sampling import sample_row, warp_stats
 from dspark_export.plugins.common.triton_support import (
     check_blocks, check_same_device, compile_ptx, host_values, next_power_of_2, shape_proxies,
 )
 
+FILL = tl.constexpr(OUTSIDE_DRAFT_VOCAB)
+"""``draft_logits`` outside d2t (the schema's ``OUTSIDE_DRAFT_VOCAB``)."""
 DEFAULT_BLOCK_V = 1024
 """Vocab block of one step of a program (a power of two; tests use 16 to exercise the masked tail)."""
 DEFAULT_NUM_PROBES = 8
 """Probes per pass of the top-k/top-p searches (``triton_sampling``): at most 11 passes each, not 33."""
 _MAX_BLOCK_H = 256
-_VALUE_INPUTS = ("anchor_ids", "temperature", "top_k", "top_p", "uniforms")
+_VALUE_INPUTS = ("anchor_ids", "temperature", "top_k", "top_p", "uniforms", "d2t")
 """Inputs whose values (not only shapes) the boundary check reads; copied to the host when checking."""
 
 
@@ -54,10 +61,10 @@ class MarkovDraftTritonOutputs(NamedTuple):
 @triton.jit
 def markov_draft_kernel(
     base_logits_ptr, hidden_ptr, anchor_ids_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
-    confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr,
+    confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr, d2t_ptr,
     draft_ids_ptr, draft_logits_ptr, confidence_ptr,
-    GAMMA, V, H, RANK,
-    HAS_MARKOV: tl.constexpr, HAS_CONFIDENCE: tl.constexpr,
+    GAMMA, V, VD, H, RANK,
+    HAS_MARKOV: tl.constexpr, HAS_CONFIDENCE: tl.constexpr, HAS_D2T: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NUM_PROBES: tl.constexpr,
 ):
     """One program per request row: draft γ tokens left to right (see the module docstring)."""
@@ -89,15 +96,24 @@ def markov_draft_kernel(
             conf = tl.math.div_rn(1.0, 1.0 + tl.exp(-z))
         tl.store(confidence_ptr + row, conf)
         logits_row = draft_logits_ptr + row * V
-        for start in range(0, V, BLOCK_V):  # L_k = U_k + W2·W1[prev], written once, re-read by the warp
+        if HAS_D2T:  # columns outside d2t hold the fill
+            for start in range(0, V, BLOCK_V):
+                offs = start + offs_v0
+                tl.store(logits_row + offs, tl.full((BLOCK_V,), FILL, tl.float32), mask=offs < V)
+            tl.debug_barrier()
+        for start in range(0, VD, BLOCK_V):  # L_k = U_k + W2·W1[prev], written once, re-read by the warp
             offs = start + offs_v0
-            mask = offs < V
-            logits = tl.load(base_logits_ptr + row * V + offs, mask=mask, other=0.0)
+            mask = offs < VD
+            logits = tl.load(base_logits_ptr + row * VD + offs, mask=mask, other=0.0)
             if HAS_MARKOV:
                 w2 = tl.load(markov_w2_ptr + offs[:, None] * RANK + offs_r[None, :],
                              mask=mask[:, None] & mask_r[None, :], other=0.0)
                 logits = logits + tl.sum(w2 * w1_prev[None, :], 1)
-            tl.store(logits_row + offs, logits, mask=mask)
+            if HAS_D2T:
+                cols = tl.load(d2t_ptr + offs, mask=mask, other=0)  # draft row -> target column
+            else:
+                cols = offs
+            tl.store(logits_row + cols, logits, mask=mask)
         tl.debug_barrier()  # the warp passes below read L_k back, possibly in other threads of the program
         stats = warp_stats(logits_row, V, temperature, top_k, top_p, BLOCK_V, NUM_PROBES)
         token = stats[1]  # greedy: the first argmax
@@ -121,6 +137,7 @@ def markov_draft_triton(
     markov_w2: torch.Tensor | None = None,
     confidence_weight: torch.Tensor | None = None,
     confidence_bias: torch.Tensor | None = None,
+    d2t: torch.Tensor | None = None,
     *,
     block_v: int = DEFAULT_BLOCK_V,
     num_probes: int = DEFAULT_NUM_PROBES,
@@ -129,13 +146,13 @@ def markov_draft_triton(
     """``reference.markov_draft`` on torch tensors (schema inputs in schema order) with the Triton kernel.
 
     Args:
-        base_logits ... confidence_bias: the schema inputs (see ``schema.py``), torch tensors on one
+        base_logits ... d2t: the schema inputs (see ``schema.py``), torch tensors on one
             device (a CUDA device, or the CPU under ``TRITON_INTERPRET=1``); give both or neither of each
-            optional pair. Inputs are never modified.
+            optional pair, and d2t only with the Markov pair. Inputs are never modified.
         block_v: vocab block per step (a power of two >= 16).
         num_probes: probes per pass of the top-k/top-p searches (a power of two); more probes, fewer passes.
         check_values: also check value ranges (temperature, top_k, top_p, uniforms, anchor ids) as the
-            reference does; this copies those small [R]/[R, γ] inputs to the host (a device sync).
+            reference does; this copies those small [R]/[R, γ] inputs and d2t to the host (a device sync).
             Shapes, dtypes and the optional pairs are always checked, without a copy. Unchecked bad
             values are undefined behaviour (an anchor id >= V reads out of bounds).
 
@@ -147,19 +164,21 @@ def markov_draft_triton(
     """
     tensors = dict(base_logits=base_logits, hidden=hidden, anchor_ids=anchor_ids, temperature=temperature, top_k=top_k,
                    top_p=top_p, uniforms=uniforms, confidence_temperature=confidence_temperature, markov_w1=markov_w1,
-                   markov_w2=markov_w2, confidence_weight=confidence_weight, confidence_bias=confidence_bias)
+                   markov_w2=markov_w2, confidence_weight=confidence_weight, confidence_bias=confidence_bias,
+                   d2t=d2t)
     name = SCHEMA.qualified_name
     check_blocks(name, block_v, num_probes)
     feeds = shape_proxies(name, tensors)
     check_same_device(name, tensors)
     if check_values:
-        feeds.update(host_values(tensors, _VALUE_INPUTS))
+        feeds.update(host_values(tensors, tuple(n for n in _VALUE_INPUTS if tensors[n] is not None)))
     # The reference's own checks (optional pairs, schema, values). Without check_values the value
     # inputs are the zero stand-ins, which pass, so only shapes, dtypes and pairs are checked.
     check_arguments(feeds, SamplingBatch(feeds["temperature"], feeds["top_k"], feeds["top_p"]), feeds["uniforms"])
-    num_requests, gamma, vocab = base_logits.shape
+    num_requests, gamma, draft_vocab = base_logits.shape
+    vocab = markov_w1.shape[0] if d2t is not None else draft_vocab
     hidden_size = hidden.shape[-1]
-    has_markov, has_confidence = markov_w1 is not None, confidence_weight is not None
+    has_markov, has_confidence, has_d2t = markov_w1 is not None, confidence_weight is not None, d2t is not None
     rank = markov_w1.shape[1] if has_markov else 0
     device = base_logits.device
     draft_ids = torch.empty((num_requests, gamma), dtype=torch.int64, device=device)
@@ -170,8 +189,8 @@ def markov_draft_triton(
     contiguous = {key: (value.contiguous() if value is not None else base_logits) for key, value in tensors.items()}
     markov_draft_kernel[(num_requests,)](
         *contiguous.values(), draft_ids, draft_logits, confidence,
-        gamma, vocab, hidden_size, rank,
-        HAS_MARKOV=has_markov, HAS_CONFIDENCE=has_confidence, BLOCK_V=block_v, NUM_PROBES=num_probes,
+        gamma, vocab, draft_vocab, hidden_size, rank,
+        HAS_MARKOV=has_markov, HAS_CONFIDENCE=has_confidence, HAS_D2T=has_d2t, BLOCK_V=block_v, NUM_PROBES=num_probes,
         BLOCK_H=min(next_power_of_2(hidden_size), _MAX_BLOCK_H), BLOCK_R=next_power_of_2(rank),
     )
     return MarkovDraftTritonOutputs(draft_ids, draft_logits, confidence)
@@ -200,13 +219,15 @@ def ptx(
     block_r: int = 16,
     num_probes: int = DEFAULT_NUM_PROBES,
     capability: int = 90,
+    has_d2t: bool = False,
 ) -> str:
     """PTX of ``markov_draft_kernel`` for one static configuration, compiled without a GPU (see ``compile_ptx``)."""
     pointers = {name: "*i64" if SCHEMA.input(name).dtype.kind == "i" else "*fp32" for name in SCHEMA.input_names}
     signature = {f"{name}_ptr": kind for name, kind in pointers.items()}
     signature.update(draft_ids_ptr="*i64", draft_logits_ptr="*fp32", confidence_ptr="*fp32",
-                     GAMMA="i32", V="i32", H="i32", RANK="i32")
-    constexprs = dict(HAS_MARKOV=has_markov, HAS_CONFIDENCE=has_confidence, BLOCK_V=block_v, BLOCK_H=block_h,
+                     GAMMA="i32", V="i32", VD="i32", H="i32", RANK="i32")
+    constexprs = dict(HAS_MARKOV=has_markov, HAS_CONFIDENCE=has_confidence, HAS_D2T=has_d2t, BLOCK_V=block_v,
+                      BLOCK_H=block_h,
                       BLOCK_R=block_r, NUM_PROBES=num_probes)
     signature.update({name: "constexpr" for name in constexprs})
     return compile_ptx(markov_draft_kernel, signature, constexprs, capability)
@@ -221,10 +242,14 @@ def markov_draft_trt_kernel(
     HAS_MARKOV: tl.constexpr, HAS_CONFIDENCE: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NUM_PROBES: tl.constexpr,
 ):
-    """``markov_draft_kernel`` with TensorRT's argument order (inputs, scalars, outputs); grid (R,)."""
+    """``markov_draft_kernel`` with TensorRT's argument order (inputs, scalars, outputs); grid (R,).
+
+    The plugin takes the full-vocabulary form (``tensorrt.PLUGIN_SCHEMA``: no d2t, Vd = V); the lowering
+    expands a d2t node to it."""
     markov_draft_kernel(
         base_logits_ptr, hidden_ptr, anchor_ids_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
         confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr,
-        draft_ids_ptr, draft_logits_ptr, confidence_ptr, GAMMA, V, H, RANK,
-        HAS_MARKOV, HAS_CONFIDENCE, BLOCK_V, BLOCK_H, BLOCK_R, NUM_PROBES,
+        anchor_ids_ptr,  # d2t: never read (HAS_D2T False)
+        draft_ids_ptr, draft_logits_ptr, confidence_ptr, GAMMA, V, V, H, RANK,
+        HAS_MARKOV, HAS_CONFIDENCE, False, BLOCK_V, BLOCK_H, BLOCK_R, NUM_PROBES,
     )
