@@ -76,7 +76,7 @@ class Rounds:
 
 @torch.no_grad()
 def replay_rounds(drafter: DSparkDrafter, cache: FeatureCache, *, greedy_only: bool = True, stride: int = 1,
-                  max_len: int = 768, chunk: int = 96, d2t=None) -> Rounds:
+                  max_len: int = 768, chunk: int = 96, d2t=None, limit: int | None = None) -> Rounds:
     """Replay a drafting round at every `stride`-th assistant position of every cached sequence.
 
     Args:
@@ -84,6 +84,7 @@ def replay_rounds(drafter: DSparkDrafter, cache: FeatureCache, *, greedy_only: b
             the cached continuation the target's verification outcome).
         d2t: a draft vocabulary [N] (`exporter.drafter.draft_vocab_head`): drafts are argmaxes over these
             tokens only, as the exported block drafts; None = the full vocabulary.
+        limit: replay the first `limit` sequences of the cache only (None = all).
     """
     G = drafter.config.block_size
     outside = None
@@ -91,7 +92,7 @@ def replay_rounds(drafter: DSparkDrafter, cache: FeatureCache, *, greedy_only: b
         outside = torch.full((drafter.config.vocab_size,), float("-inf"))
         outside[torch.as_tensor(np.asarray(d2t), dtype=torch.long)] = 0.0
     confs, accs, valids, sources = [], [], [], []
-    for i in range(len(cache)):
+    for i in range(len(cache) if limit is None else min(limit, len(cache))):
         s = cache[i]
         if greedy_only and (s.source.get("temperature") or 0) != 0:
             continue

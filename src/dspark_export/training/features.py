@@ -124,13 +124,15 @@ def build_feature_cache(target_model, records: Sequence[dict], target_layer_ids:
 
 @dataclass
 class Sequence_:
-    """One cached sequence: tokens [T] int64, aux [T, F] float32, last [T, H] float32, prompt_len."""
+    """One cached sequence: tokens [T] int64, aux [T, F] float32, last [T, H] float32, prompt_len; t_lse [T]
+    float32 or None (the target's full-vocabulary logsumexp, set by the trainer for the draft-vocabulary loss)."""
 
     tokens: np.ndarray
     aux: np.ndarray
     last: np.ndarray
     prompt_len: int
     source: dict
+    t_lse: np.ndarray | None = None
 
 
 class FeatureCache:

@@ -28,6 +28,26 @@ gradient products (the gradients are written out in its docstring). Per-chunk te
 temporaries through memory, which roughly halves a training step on CPU (reports/measurement_history.md,
 "fused vocab loss"). ``fused=False`` keeps
 the direct autograd form; the tests hold the two equal (values and gradients).
+
+Draft vocabulary (``d2t`` [N], `training.draft_vocab`; ``dspark_loss(..., d2t=)``): the exported block drafts
+from ``softmax`` over the N rows of d2t only (every other token gets exactly 0, ARCHITECTURE "Draft
+vocabulary"), so training computes the drafter's logits over those N rows only, normalised over them
+(p_d = softmax over d2t, what inference draws from), and pools every target token outside d2t into one
+bucket of the loss, dropped at inference:
+
+    p_t[v] = exp(t·W_v − lse_V(t·Wᵀ)) for v in d2t     P_out = 1 − Σ_{d2t} p_t   (target's mass outside)
+    L1  = Σ_{d2t} |p_d − p_t| + |0 − P_out|             the drafter's bucket mass is 0, as at inference
+    α   = clamp(1 − ½·L1, 0, 1) = Σ_{d2t} min(p_d, p_t)  the acceptance of the exported block (T = 1)
+    CE  = −log p_d[label] for labels in d2t; 0 for a label in the bucket (it can never be drafted)
+
+lse_V(t·Wᵀ) is the target's full-vocabulary logsumexp (one scalar per token, `target_logsumexp`; the
+trainer computes it once per cached sequence, the target being frozen). Why the drafter's bucket logit is
+−∞ and not logsumexp over the shared head's non-d2t rows: that logsumexp needs the [M, V − N] product in
+the forward and its softmax in the backward, i.e. the full-vocabulary cost this mode exists to avoid, and
+it trains a bucket mass the exported block never has (its α would count bucket mass that cannot be
+accepted). With −∞ the loss is exactly the inference drafter's L1 to the target, whose minimiser on d2t
+(p_d ≥ p_t there) is the one of the logsumexp design. With N = V the bucket is empty and every term
+equals the full-vocabulary loss (tested). The Markov table W2 [V, r] gets gradients on the d2t rows only.
 """
 
 from __future__ import annotations
@@ -44,7 +64,7 @@ from ..modeling.layers import apply_rope
 from .features import Sequence_
 
 __all__ = ["LossWeights", "TrainBatch", "make_batch", "sample_anchors", "block_forward", "dspark_loss",
-           "FusedVocabLoss"]
+           "FusedVocabLoss", "target_logsumexp", "token_to_draft"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +81,8 @@ class TrainBatch:
 
     tokens [B, S] int64; aux [B, S, F] float32; last [B, S, H] float32; seq_lens [B] int64;
     anchors [B, N] int64 (0 where keep is False); keep [B, N] bool; labels [B, N, γ] int64;
-    valid [B, N, γ] bool (contiguous prefix per block).
+    valid [B, N, γ] bool (contiguous prefix per block); t_lse [B, S] float32 or None: the target's
+    full-vocabulary logsumexp per position (`target_logsumexp`; only the draft-vocabulary loss reads it).
     """
 
     tokens: torch.Tensor
@@ -72,6 +93,7 @@ class TrainBatch:
     keep: torch.Tensor
     labels: torch.Tensor
     valid: torch.Tensor
+    t_lse: torch.Tensor | None = None
 
 
 def sample_anchors(prompt_len: int, length: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -102,9 +124,44 @@ def make_batch(seqs: list[Sequence_], anchors_per_seq: int, block_size: int, rng
         ok = idx < T
         labels[b, :len(a)] = np.where(ok, s.tokens[np.minimum(idx, T - 1)], 0)
         valid[b, :len(a)] = ok  # contiguous: idx grows with k
+    t_lse = None
+    if all(getattr(s, "t_lse", None) is not None for s in seqs):
+        t_lse = np.zeros((B, S), np.float32)
+        for b, s in enumerate(seqs):
+            t_lse[b, :len(s.tokens)] = s.t_lse[:len(s.tokens)]
     t = torch.from_numpy
     return TrainBatch(t(tokens), t(aux), t(last), torch.tensor([len(s.tokens) for s in seqs]), t(anchors), t(keep),
-                      t(labels), t(valid))
+                      t(labels), t(valid), None if t_lse is None else t(t_lse))
+
+
+@torch.no_grad()
+def target_logsumexp(last: torch.Tensor, W: torch.Tensor, *, bf16: bool = True, chunk: int = 256) -> torch.Tensor:
+    """The target's full-vocabulary logsumexp per row: lse_V(last·Wᵀ) [M] float32 from last [M, H] (final
+    hidden) and the LM head W [V, H], the matmul in bfloat16 when `bf16` (as `FusedVocabLoss` computes the
+    target logits), in row chunks so [M, V] is never held."""
+    last = last.reshape(-1, W.shape[1])
+    Wc = W.to(torch.bfloat16) if bf16 else W.float()
+    out = torch.empty(last.shape[0])
+    with torch.autocast("cpu", enabled=False):
+        for lo in range(0, last.shape[0], chunk):
+            out[lo:lo + chunk] = torch.logsumexp((last[lo:lo + chunk].to(Wc.dtype) @ Wc.T).float(), dim=-1)
+    return out
+
+
+def token_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """t2d [V] int64: the index of each token in d2t, −1 for a token outside it (the pooled bucket).
+
+    Raises:
+        ValueError: d2t is not 1-D, holds ids outside [0, V) or repeats one.
+    """
+    d2t = torch.as_tensor(d2t, dtype=torch.long)
+    if d2t.ndim != 1 or not d2t.numel() or int(d2t.min()) < 0 or int(d2t.max()) >= vocab_size \
+            or torch.unique(d2t).numel() != d2t.numel():
+        raise ValueError(f"d2t: expected distinct token ids in [0, {vocab_size}) as a non-empty 1-D tensor, found "
+                         f"shape {tuple(d2t.shape)}")
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(d2t.numel())
+    return t2d
 
 
 def block_forward(drafter: DSparkDrafter, batch: TrainBatch, *, logits: bool = True
@@ -152,9 +209,15 @@ class FusedVocabLoss(torch.autograd.Function):
     Forward inputs: h [M, H] float32 (draft hidden), W [V, H] float32 (frozen LM head, no gradient),
     a [M, r] float32 and W2 [V, r] float32 (Markov head: W1[prev] and W2; both may be empty, r = 0),
     t [M, H] float32 (target final hidden, no gradient), labels [M] int64, chunk (rows per chunk),
-    bf16 (the two H-wide matmuls in bfloat16, as autocast would). Outputs: ce [M] and l1 [M] float32
-    (differentiable), argmax [M] int64 of the draft logits (not differentiable). Saved for backward:
-    p [M, V] in the matmul dtype and sign(p − q) [M, V] int8.
+    bf16 (the two H-wide matmuls in bfloat16, as autocast would), t_lse [M] float32 or None. Outputs: ce [M]
+    and l1 [M] float32 (differentiable), argmax [M] int64 of the draft logits and P_out [M] float32 (zeros
+    without t_lse) (not differentiable). Saved
+    for backward: p [M, V] in the matmul dtype and sign(p − q) [M, V] int8.
+
+    Draft vocabulary (module docstring): W and W2 hold the N rows of d2t, labels are indices into d2t or
+    −1 for the pooled bucket (ce 0, no CE gradient), and t_lse is the target's full-vocabulary logsumexp,
+    so q = exp(t·Wᵀ − t_lse) sums to 1 − P_out and l1 adds P_out (constant in the drafter's tensors, so
+    the gradients below are unchanged). t_lse None: q = softmax(t·Wᵀ), no bucket.
 
     Raises:
         ValueError: chunk is not an integer >= 1.
@@ -166,7 +229,7 @@ class FusedVocabLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def _chunk(h, W, a, W2, t, lo, hi):
+    def _chunk(h, W, a, W2, t, lo, hi, t_lse=None):
         mm_dtype = W.dtype   # the caller passes W already in the matmul dtype
         z = (h[lo:hi].to(mm_dtype) @ W.T).float()
         if a.shape[1]:
@@ -174,14 +237,16 @@ class FusedVocabLoss(torch.autograd.Function):
         tz = (t[lo:hi].to(mm_dtype) @ W.T).float()
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         p = torch.exp(z - lse)
-        q = torch.softmax(tz, dim=-1)
+        q = torch.softmax(tz, dim=-1) if t_lse is None else torch.exp(tz - t_lse[lo:hi, None])
         return z, lse, p, q
 
     @staticmethod
-    def forward(ctx, h, W, a, W2, t, labels, chunk: int, bf16: bool):
+    def forward(ctx, h, W, a, W2, t, labels, chunk: int, bf16: bool, t_lse=None):
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"FusedVocabLoss: chunk must be an integer >= 1 rows, found {chunk!r}")
         M, V = h.shape[0], W.shape[0]
+        inside = labels >= 0
+        out_mass = torch.zeros(M)
         ce, l1, top = torch.empty(M), torch.empty(M), torch.empty(M, dtype=torch.long)
         # kept for the backward pass: p (in the matmul dtype), s = sign(p − q) as int8 (−1, 0, 1), ⟨p, s⟩
         keep_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -190,10 +255,14 @@ class FusedVocabLoss(torch.autograd.Function):
             Wc = W.to(torch.bfloat16) if bf16 else W
             for lo in range(0, M, chunk):
                 hi = min(M, lo + chunk)
-                z, lse, p, q = FusedVocabLoss._chunk(h, Wc, a, W2, t, lo, hi)
-                ce[lo:hi] = lse[:, 0] - z.gather(1, labels[lo:hi, None])[:, 0]
+                z, lse, p, q = FusedVocabLoss._chunk(h, Wc, a, W2, t, lo, hi, t_lse)
+                ce[lo:hi] = torch.where(inside[lo:hi],
+                                        lse[:, 0] - z.gather(1, labels[lo:hi, None].clamp(min=0))[:, 0], 0.0)
                 d = p - q
                 l1[lo:hi] = d.abs().sum(-1)
+                if t_lse is not None:  # the pooled bucket: the target's mass outside the rows, the drafter's 0
+                    out_mass[lo:hi] = (1 - q.sum(-1)).clamp(min=0)
+                    l1[lo:hi] += out_mass[lo:hi]
                 s = torch.sign(d)
                 sign[lo:hi] = s
                 ps[lo:hi] = (p * s).sum(-1, keepdim=True)
@@ -201,14 +270,14 @@ class FusedVocabLoss(torch.autograd.Function):
                 top[lo:hi] = z.argmax(-1)
         ctx.save_for_backward(h, W, a, W2, labels, P, sign, ps)
         ctx.chunk, ctx.bf16 = chunk, bf16
-        ctx.mark_non_differentiable(top)
-        return ce, l1, top
+        ctx.mark_non_differentiable(top, out_mass)
+        return ce, l1, top, out_mass
 
     @staticmethod
-    def backward(ctx, g_ce, g_l1, _g_top):
+    def backward(ctx, g_ce, g_l1, _g_top, _g_out_mass):
         h, W, a, W2, labels, P, sign, ps = ctx.saved_tensors
         M = h.shape[0]
-        g_ce = torch.zeros(M) if g_ce is None else g_ce.float()
+        g_ce = torch.zeros(M) if g_ce is None else g_ce.float() * (labels >= 0)  # no CE gradient in the bucket
         g_l1 = torch.zeros(M) if g_l1 is None else g_l1.float()
         gh = torch.zeros_like(h)
         ga = torch.zeros_like(a)
@@ -221,20 +290,28 @@ class FusedVocabLoss(torch.autograd.Function):
                 # g_l1·(s − ⟨p, s⟩) + g_ce, with s ∈ {−1, 0, 1} as autograd's |·|' (0 where p = q)
                 coef = g_l1[lo:hi, None] * (sign[lo:hi].float() - ps[lo:hi]) + g_ce[lo:hi, None]
                 gz = p.mul_(coef)
-                gz[torch.arange(hi - lo), labels[lo:hi]] -= g_ce[lo:hi]
+                gz[torch.arange(hi - lo), labels[lo:hi].clamp(min=0)] -= g_ce[lo:hi]
                 gh[lo:hi] = (gz.to(Wc.dtype) @ Wc).float()
                 if a.shape[1]:
                     ga[lo:hi] = gz @ W2
                     gW2 += gz.T @ a[lo:hi]
-        return gh, None, ga, gW2, None, None, None, None
+        return gh, None, ga, gW2, None, None, None, None, None
 
 def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights = LossWeights(),
-                bf16: bool = True, *, fused: bool = True, chunk: int = 128) -> tuple[torch.Tensor, dict]:
+                bf16: bool = True, *, fused: bool = True, chunk: int = 128,
+                d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of one batch (formulas in the module docstring).
 
+    Args:
+        d2t: the draft vocabulary [N] int64 (distinct token ids; None = the full vocabulary): logits and
+            losses over its N rows plus the pooled bucket (module docstring). The batch's ``t_lse`` is used
+            when present, else computed here from the full head (one [M, V] product, no gradient).
     Returns:
         (loss scalar, metrics: {"loss", "ce", "l1", "bce", "accept_rate" [γ] (mean analytic α_k),
-        "top1" [γ] (argmax(draft) == label), "tau_probabilistic", "weight"}).
+        "top1" [γ] (argmax(draft) == label), "tau_probabilistic", "weight"}; with d2t also
+        "bucket_labels" (weighted share of labels outside d2t) and "bucket_mass" (weighted mean P_out)).
+    Raises:
+        ValueError: d2t is not a set of token ids of this vocabulary.
     """
     cfg = drafter.config
     G = cfg.block_size
@@ -245,18 +322,33 @@ def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights 
     w = valid * torch.exp(-torch.arange(G, dtype=torch.float32) / weights.decay)
     wsum = w.sum().clamp(min=1e-6)
     w1_prev = drafter.markov_head.markov_w1(prev) if drafter.markov_head is not None else None  # [B, N, γ, r]
+    labels = batch.labels
+    bucket = None
+    if d2t is not None:
+        d2t = torch.as_tensor(d2t, dtype=torch.long)
+        labels = token_to_draft(d2t, cfg.vocab_size)[batch.labels]  # −1: the pooled bucket
     if fused:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hidden, _ = block_forward(drafter, batch, logits=False)
         hidden = hidden.float()
         H, V = hidden.shape[-1], cfg.vocab_size
+        W = drafter.lm_head.weight.detach()
         if drafter.markov_head is not None:
             a, W2 = w1_prev.reshape(-1, cfg.markov_rank), drafter.markov_head.markov_w2.weight
         else:
             a, W2 = hidden.new_zeros(hidden.shape[:-1].numel(), 0), hidden.new_zeros(V, 0)
-        ce, l1, top = FusedVocabLoss.apply(hidden.reshape(-1, H), drafter.lm_head.weight.detach(), a, W2,
-                                           t_hidden.reshape(-1, H).float(), batch.labels.reshape(-1), chunk, bf16)
+        t_flat, t_lse = t_hidden.reshape(-1, H).float(), None
+        if d2t is not None:
+            W, W2 = W[d2t], W2.index_select(0, d2t)  # autograd scatters W2's gradient back to its d2t rows
+            if batch.t_lse is not None:
+                t_lse = torch.gather(batch.t_lse, 1, pos.reshape(pos.shape[0], -1)).reshape(-1)
+            else:
+                t_lse = target_logsumexp(t_flat, drafter.lm_head.weight.detach(), bf16=bf16, chunk=chunk)
+        ce, l1, top, out_mass = FusedVocabLoss.apply(hidden.reshape(-1, H), W, a, W2, t_flat, labels.reshape(-1),
+                                                     chunk, bf16, t_lse)
         ce, l1, argmax = ce.reshape(w.shape), l1.reshape(w.shape), top.reshape(w.shape)
+        if d2t is not None:
+            bucket = out_mass.reshape(w.shape)
     else:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hidden, U = block_forward(drafter, batch)
@@ -265,12 +357,20 @@ def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights 
                 logits = logits + drafter.markov_head(prev).float()
             with torch.no_grad():
                 t_logits = drafter.lm_head(t_hidden).float().reshape(logits.shape)
-        logp_d = torch.log_softmax(logits, dim=-1)
-        ce = F.nll_loss(logp_d.reshape(-1, logp_d.shape[-1]), batch.labels.reshape(-1),
-                        reduction="none").reshape(w.shape)
         p_t = torch.softmax(t_logits, dim=-1)
+        if d2t is not None:
+            logits, p_t = logits[..., d2t], p_t[..., d2t]
+            bucket = (1 - p_t.sum(-1)).clamp(min=0)
+        logp_d = torch.log_softmax(logits, dim=-1)
+        inside = labels >= 0
+        ce = torch.where(inside, F.nll_loss(logp_d.reshape(-1, logp_d.shape[-1]), labels.clamp(min=0).reshape(-1),
+                                            reduction="none").reshape(w.shape), 0.0)
         l1 = (logp_d.exp() - p_t).abs().sum(-1)  # [B, N, γ], in [0, 2]
+        if bucket is not None:
+            l1 = l1 + bucket
         argmax = logits.argmax(-1)
+    if d2t is not None:
+        argmax = d2t[argmax]  # back to token ids
     alpha = (1 - 0.5 * l1).clamp(0, 1).detach()
     loss = weights.ce * (w * ce).sum() / wsum + weights.l1 * (w * l1).sum() / wsum
     metrics = {"ce": float((w * ce).sum().detach() / wsum), "l1": float((w * l1).sum().detach() / wsum)}
@@ -291,6 +391,9 @@ def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights 
         tau = float(((1 + surv) * kept).sum() / kept.sum().clamp(min=1))
     metrics.update(loss=float(loss.detach()), accept_rate=[round(float(x), 4) for x in accept],
                    top1=[round(float(x), 4) for x in top1], tau_probabilistic=tau, weight=float(wsum))
+    if bucket is not None:
+        metrics["bucket_labels"] = float((w * (labels < 0)).sum() / wsum)
+        metrics["bucket_mass"] = float((w * bucket.detach()).sum() / wsum)
     if not math.isfinite(metrics["loss"]):
         raise FloatingPointError(f"dspark_loss: non-finite loss {metrics}")
     return loss, metrics

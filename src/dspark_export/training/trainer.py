@@ -2,9 +2,16 @@
 DeepSpec reference §3: AdamW, lr 6e-4, 4 % linear warmup then cosine to 0, grad clip 1.0).
 
 The shared embedding and LM head are copied from the target and frozen (`init_drafter`); every other
-drafter tensor trains. State (drafter, optimizer, step, data RNG) is saved to
+drafter tensor trains. State (the trained drafter tensors, optimizer, step, data RNG, d2t) is saved to
 ``<out>/training_state.pt`` every ``save_every`` steps and at the end, and a run started again with
-the same ``out`` resumes from it. Metrics go to ``<out>/metrics.jsonl`` (one line per logged step).
+the same ``out`` resumes from it. The frozen shared tensors are left out of the state (they are the
+target's, copied again on resume): for SmolLM2 they are 2 × 113 MB of a ~250 MB state. Metrics go to
+``<out>/metrics.jsonl`` (one line per logged step); with an evaluation cache, the offline τ of every saved
+checkpoint (`calibration.replay_rounds`, T = 0, bonus included) goes to ``<out>/checkpoints.jsonl``.
+
+Draft vocabulary (`TrainConfig.draft_vocab`, ``d2t``): the loss is computed over the N rows of d2t plus the
+pooled bucket (`objective` module docstring); the target's full-vocabulary logsumexp per token, which the
+bucket needs, is computed once per sequence (the target is frozen) and kept in memory.
 
 Usage:
     cfg = TrainConfig(out_dir="runs/dspark", steps=1000)
@@ -29,8 +36,9 @@ from ..errors import ConfigError
 from ..modeling.config import DrafterConfig
 from ..modeling.drafter import DSparkDrafter, init_drafter
 from ..progress import Eta
+from .calibration import replay_rounds
 from .features import FeatureCache
-from .objective import LossWeights, dspark_loss, make_batch
+from .objective import LossWeights, dspark_loss, make_batch, target_logsumexp
 
 __all__ = ["TrainConfig", "train_drafter", "drafter_config_for", "lr_path_from_metrics"]
 
@@ -60,6 +68,7 @@ class TrainConfig:
     save_every: int = 100
     log_every: int = 10
     threads: int = 0
+    draft_vocab: int | None = None  #: N of the d2t passed to `train_drafter`; None = the full vocabulary
 
     def __post_init__(self):
         if self.variant not in ("dspark", "dflash"):
@@ -68,6 +77,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TrainConfig.{name}: expected an integer >= 1, found {value!r}")
+        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
+                                             or self.draft_vocab < 1):
+            raise ConfigError(f"TrainConfig.draft_vocab: expected None (full vocabulary) or an integer N >= 1, "
+                              f"found {self.draft_vocab!r}")
 
 
 def drafter_config_for(target, cfg: TrainConfig) -> DrafterConfig:
@@ -120,16 +133,22 @@ def lr_path_from_metrics(path: str | Path) -> Callable[[int], float]:
 
 def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Callable[[str], None] | None = None,
                   *, stop_at: int | None = None, time_budget_s: float | None = None,
-                  lr_schedule: Callable[[int], float] | None = None) -> DSparkDrafter:
+                  lr_schedule: Callable[[int], float] | None = None, d2t=None,
+                  eval_cache: FeatureCache | None = None, eval_stride: int = 4,
+                  eval_limit: int | None = None) -> DSparkDrafter:
     """Train (or resume) a drafter on a feature cache; returns it in eval mode with is_trained=True.
 
     `stop_at` (a step) and `time_budget_s` (wall seconds of this call) end the call early, with the
     state saved, as an interruption would; calling again with the same config continues the run
     (the learning-rate schedule always follows `cfg.steps`). `lr_schedule` (step index → lr, e.g.
-    `lr_path_from_metrics`) replaces the warmup-cosine schedule for this call.
+    `lr_path_from_metrics`) replaces the warmup-cosine schedule for this call. `d2t` [N] (token ids,
+    N = `cfg.draft_vocab`): train over the draft vocabulary. `eval_cache` (e.g. the calibration split's
+    features): at every checkpoint, the offline τ over its first `eval_limit` sequences at every
+    `eval_stride`-th position is appended to ``checkpoints.jsonl`` (drafts over d2t when given).
 
     Raises:
-        ConfigError: the cache's taps differ from the drafter's, or the state file is from another config.
+        ConfigError: the cache's taps differ from the drafter's, the state file is from another config or
+            another d2t, or d2t does not match `cfg.draft_vocab`.
     """
     say = progress or (lambda line: None)
     lr_at = lr_schedule or (lambda i: _lr_at(i, cfg))
@@ -141,35 +160,80 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     if list(dcfg.target_layer_ids) != cache.target_layer_ids:
         raise ConfigError(f"{cache.folder}: features were cached for taps {cache.target_layer_ids} but the drafter "
                           f"taps {list(dcfg.target_layer_ids)}")
+    if (d2t is None) != (cfg.draft_vocab is None) or (d2t is not None and len(d2t) != cfg.draft_vocab):
+        raise ConfigError(f"train_drafter: d2t of {None if d2t is None else len(d2t)} tokens does not match "
+                          f"TrainConfig.draft_vocab = {cfg.draft_vocab!r}")
+    if d2t is not None:
+        d2t = torch.as_tensor(np.asarray(d2t), dtype=torch.long)
+        if d2t.ndim != 1 or int(d2t.min()) < 0 or int(d2t.max()) >= dcfg.vocab_size or \
+                torch.unique(d2t).numel() != d2t.numel():
+            raise ConfigError(f"train_drafter: d2t: expected {cfg.draft_vocab} distinct token ids in "
+                              f"[0, {dcfg.vocab_size})")
     drafter = init_drafter(target, dcfg, seed=cfg.seed).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
+    frozen = {n for n, p in drafter.named_parameters() if not p.requires_grad}
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     rng = np.random.default_rng(cfg.seed)
-    step = 0
+    step, prior_s, eval_s = 0, 0.0, 0.0
     state_path = out / "training_state.pt"
     cfg_dict = dataclasses.asdict(cfg)
     if state_path.is_file():
         state = torch.load(state_path, weights_only=True)
         saved = {k: v for k, v in state["config"].items() if k not in ("steps", "save_every", "log_every", "threads")}
         mine = {k: v for k, v in cfg_dict.items() if k not in ("steps", "save_every", "log_every", "threads")}
+        saved.setdefault("draft_vocab", None)  # states written before the draft-vocabulary loss
         if saved != mine:
             raise ConfigError(f"{state_path}: saved for another config; differing fields "
                               f"{sorted(k for k in mine if saved.get(k) != mine[k])}")
-        drafter.load_state_dict(state["drafter"])
+        saved_d2t = state.get("d2t")
+        if (saved_d2t is None) != (d2t is None) or (d2t is not None and not torch.equal(saved_d2t, d2t)):
+            raise ConfigError(f"{state_path}: saved with another draft vocabulary (d2t); use another run folder")
+        missing, unexpected = drafter.load_state_dict(state["drafter"], strict=False)
+        if unexpected or set(missing) - frozen:
+            raise ConfigError(f"{state_path}: drafter tensors do not match this config (missing "
+                              f"{sorted(set(missing) - frozen)}, unexpected {sorted(unexpected)})")
         opt.load_state_dict(state["optimizer"])
         rng.bit_generator.state = state["rng"]
         step = state["step"]
+        prior_s = float(state.get("train_s", 0.0))
         say(f"resumed {out} at step {step}")
     lengths = np.array([len(cache[i].tokens) for i in range(len(cache))])
     usable = np.nonzero(lengths - np.array([cache[i].prompt_len for i in range(len(cache))]) >= 2)[0]
     say(f"{len(usable)} sequences, {int(lengths[usable].sum())} tokens; {cfg.steps} steps × "
         f"{cfg.seqs_per_step} seqs × {cfg.anchors_per_seq} anchors; variant {cfg.variant}")
 
-    def save():
+    def save(evaluate: bool = True):
+        nonlocal eval_s
         tmp = state_path.with_suffix(".tmp")
-        torch.save({"config": cfg_dict, "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
-                    "rng": rng.bit_generator.state, "step": step}, tmp)
+        trained = {k: v for k, v in drafter.state_dict().items() if k not in frozen}
+        torch.save({"config": cfg_dict, "drafter": trained, "optimizer": opt.state_dict(),
+                    "rng": rng.bit_generator.state, "step": step, "d2t": d2t, "train_s": train_s()}, tmp)
         os.replace(tmp, state_path)
+        if evaluate and eval_cache is not None and step not in logged:
+            e0 = time.perf_counter()
+            drafter.eval()
+            rounds = replay_rounds(drafter, eval_cache, stride=eval_stride, limit=eval_limit,
+                                   d2t=None if d2t is None else d2t.numpy())
+            drafter.train()
+            row = {"step": step, "tau": round(rounds.acceptance_length(), 4), "rounds": len(rounds.sources),
+                   "conditional_acceptance": [round(x, 4) for x in rounds.conditional_acceptance()],
+                   "train_s": round(train_s(), 1), "eval_s": round(time.perf_counter() - e0, 1)}
+            eval_s += time.perf_counter() - e0
+            with checkpoints.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            logged.add(step)
+            say(f"checkpoint at step {step}: offline τ {row['tau']:.3f} over {row['rounds']} rounds")
+
+    def train_s() -> float:
+        """Training wall seconds of the whole run (resumed calls added up; τ evaluations left out)."""
+        return prior_s + time.perf_counter() - t0 - eval_s
+
+    checkpoints = out / "checkpoints.jsonl"
+    logged = {json.loads(line)["step"] for line in checkpoints.read_text(encoding="utf-8").splitlines()
+              if line.strip()} if checkpoints.is_file() else set()
+
+    W_head = drafter.lm_head.weight.detach()
+    lse_memo: dict[int, np.ndarray] = {}  # sequence index → the target's full-vocabulary logsumexp [T]
 
     t0, seen = time.perf_counter(), 0
     eta = Eta(cfg.steps, start=step)
@@ -187,11 +251,16 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                     s = cache[int(i)]
                     if len(s.tokens) > cfg.max_seq_len:
                         s.tokens, s.aux, s.last = (a[:cfg.max_seq_len] for a in (s.tokens, s.aux, s.last))
+                    if d2t is not None:
+                        if int(i) not in lse_memo:
+                            lse_memo[int(i)] = target_logsumexp(torch.from_numpy(s.last), W_head,
+                                                                bf16=cfg.bf16).numpy()
+                        s.t_lse = lse_memo[int(i)]
                     seqs.append(s)
                 batch = make_batch(seqs, cfg.anchors_per_seq, dcfg.block_size, rng)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
-                loss, metrics = dspark_loss(drafter, batch, cfg.loss, bf16=cfg.bf16)
+                loss, metrics = dspark_loss(drafter, batch, cfg.loss, bf16=cfg.bf16, d2t=d2t)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
@@ -202,7 +271,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     el = time.perf_counter() - t0
                     row = {"step": step, "lr": round(lr_at(step - 1), 7), "grad_norm": round(grad_norm, 4),
-                           "elapsed_s": round(el, 1), **metrics}
+                           "elapsed_s": round(el, 1), "train_s": round(train_s(), 1), **metrics}
                     log.write(json.dumps(row) + "\n")
                     log.flush()
                     say(f"step {step}/{cfg.steps} loss {metrics['loss']:.4f} ce {metrics['ce']:.3f} "
@@ -216,7 +285,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
             # applied; better than losing up to save_every steps.)
             if rng_at_step_start is not None:
                 rng.bit_generator.state = rng_at_step_start
-            save()
+            save(evaluate=False)
             say(f"interrupted at step {step}; state saved")
             raise
         if step % cfg.save_every or step == 0:  # an early stop keeps its state too

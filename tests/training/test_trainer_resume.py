@@ -1,0 +1,89 @@
+"""Resumable training with small checkpoints, τ per checkpoint, and training over the draft vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_export.errors import ConfigError
+from dspark_export.training.trainer import TrainConfig, train_drafter
+
+
+def _cfg(tmp_path, steps, **kw):
+    return TrainConfig(out_dir=str(tmp_path), steps=steps, seqs_per_step=2, anchors_per_seq=4, block_size=4,
+                       markov_rank=8, lr=3e-3, bf16=False, save_every=2, log_every=1, **kw)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+D2T = np.arange(3, 3 + 96)  # a draft vocabulary of 96 of the 256 ids (the toy responses use ids 3..255)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, len(D2T)])
+def test_resume_continues_the_loss_curve_the_steps_and_the_tau_log(train_target, feature_cache, tmp_path,
+                                                                   draft_vocab):
+    d2t = None if draft_vocab is None else D2T
+    kw = dict(d2t=d2t, eval_cache=feature_cache, eval_stride=3, eval_limit=4)
+    full = train_drafter(train_target, feature_cache, _cfg(tmp_path / "full", 6, draft_vocab=draft_vocab), **kw)
+    train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6, draft_vocab=draft_vocab), stop_at=3, **kw)
+    assert [r["step"] for r in _rows(tmp_path / "split" / "checkpoints.jsonl")] == [2, 3]
+    resumed = train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6, draft_vocab=draft_vocab), **kw)
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+    m_full, m_split = _rows(tmp_path / "full" / "metrics.jsonl"), _rows(tmp_path / "split" / "metrics.jsonl")
+    assert [r["step"] for r in m_split] == [1, 2, 3, 4, 5, 6]  # the step count continues
+    assert [r["loss"] for r in m_split] == pytest.approx([r["loss"] for r in m_full], rel=1e-5)  # and the curve
+    train_s = [r["train_s"] for r in m_split]
+    assert train_s == sorted(train_s) and train_s[3] >= train_s[2]  # wall time adds up over calls
+    if draft_vocab:
+        assert 0 < m_split[-1]["bucket_mass"] < 1 and "bucket_labels" in m_split[-1]
+    c_full, c_split = _rows(tmp_path / "full" / "checkpoints.jsonl"), _rows(tmp_path / "split" / "checkpoints.jsonl")
+    assert [r["step"] for r in c_full] == [2, 4, 6] and [r["step"] for r in c_split] == [2, 3, 4, 6]
+    by_step = {r["step"]: r for r in c_split}
+    for r in c_full:
+        assert 1 <= r["tau"] <= 5 and r["rounds"] > 0 and len(r["conditional_acceptance"]) == 4
+        assert by_step[r["step"]]["tau"] == pytest.approx(r["tau"], abs=1e-6)
+    # calling again after the end neither trains nor logs a second τ for the last checkpoint
+    train_drafter(train_target, feature_cache, _cfg(tmp_path / "split", 6, draft_vocab=draft_vocab), **kw)
+    assert [r["step"] for r in _rows(tmp_path / "split" / "checkpoints.jsonl")] == [2, 3, 4, 6]
+
+
+def test_checkpoints_leave_out_the_frozen_shared_tensors(train_target, feature_cache, tmp_path):
+    train_drafter(train_target, feature_cache, _cfg(tmp_path, 2))
+    state = torch.load(tmp_path / "training_state.pt", weights_only=True)
+    assert "lm_head.weight" not in state["drafter"] and "embed_tokens.weight" not in state["drafter"]
+    assert "fc.weight" in state["drafter"] and state["d2t"] is None
+
+
+def test_a_state_with_the_shared_tensors_still_resumes(train_target, feature_cache, tmp_path):
+    """States written before checkpoints were made small (full state_dict) resume as before."""
+    train_drafter(train_target, feature_cache, _cfg(tmp_path / "a", 4), stop_at=2)
+    path = tmp_path / "a" / "training_state.pt"
+    state = torch.load(path, weights_only=True)
+    lm = train_target.model.get_output_embeddings().weight.detach().clone()
+    emb = train_target.model.get_input_embeddings().weight.detach().clone()
+    state["drafter"].update({"lm_head.weight": lm, "embed_tokens.weight": emb})
+    state["config"].pop("draft_vocab")
+    del state["d2t"]
+    torch.save(state, path)
+    train_drafter(train_target, feature_cache, _cfg(tmp_path / "a", 4))
+    assert torch.load(path, weights_only=True)["step"] == 4
+
+
+def test_draft_vocabulary_mismatches_are_refused(train_target, feature_cache, tmp_path):
+    with pytest.raises(ConfigError, match="draft_vocab"):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path, 2, draft_vocab=96))  # no d2t given
+    with pytest.raises(ConfigError, match="draft_vocab"):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path, 2, draft_vocab=10), d2t=D2T)
+    with pytest.raises(ConfigError, match="distinct"):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path, 2, draft_vocab=3), d2t=np.array([4, 4, 5]))
+    with pytest.raises(ConfigError, match="draft_vocab"):
+        TrainConfig(out_dir=str(tmp_path), draft_vocab=0)
+    train_drafter(train_target, feature_cache, _cfg(tmp_path / "run", 2, draft_vocab=96), d2t=D2T)
+    with pytest.raises(ConfigError, match="another draft vocabulary"):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path / "run", 4, draft_vocab=96), d2t=D2T + 1)
