@@ -4,10 +4,15 @@
 Stages (each resumable; each reads the previous one's output):
 
     data       prompts of the committed split (dspark_export/training/data_split.json) answered by the
-               target: <run>/data/{train,calibration}.jsonl
+               target: <run>/data/{train,calibration}.jsonl; with --engine, by the project's runtime at
+               --concurrency, and the training data grows with prompts the target writes itself
+               (--self-prompts K: <run>/data/self_prompts.jsonl) and multi-turn continuations (--multi-turn K:
+               <run>/data/follow_ups.jsonl), both answered into train.jsonl (`training.selfdata`)
     features   the target's tapped hidden states and final hidden per token: <run>/features/{train,calibration}
-    train      a drafter (--variant dspark | dflash): <run>/<name>/ (training_state.pt, metrics.jsonl,
-               drafter/ in DeepSpec layout, fp32)
+    train      a drafter (--variant dspark | dflash) over the draft vocabulary (--draft-vocab N | full):
+               <run>/<name>/ (training_state.pt, metrics.jsonl, checkpoints.jsonl (offline τ per checkpoint on
+               the calibration features), draft_vocab.json, drafter/ in DeepSpec layout, fp32, with its
+               draft_vocab.json)
     calibrate  offline rounds on the calibration features → τ per dataset, per-position acceptance,
                STS temperatures, ECE before/after, reliability diagram: <run>/<name>/calibration/
     export     drafter-owned tensors in fp16 + calibration.json → --out (the shipped drafter folder)
@@ -16,8 +21,11 @@ Stages (each resumable; each reads the previous one's output):
 
 Usage:
     python scripts/train_drafter.py data --run runs/smollm2 --limit 1400
+    python scripts/train_drafter.py data --run runs/smollm2 --engine /tmp/eng/default --concurrency 16 \
+        --limit 100000 --self-prompts 6000 --multi-turn 2000      # the whole split + self-written + turn 2
     python scripts/train_drafter.py features --run runs/smollm2
-    python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500
+    python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500   # --draft-vocab 8192
+    python scripts/train_drafter.py train --run runs/smollm2 --name dspark-fullv --draft-vocab full --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 2300 \
         --lr-from runs/smollm2/dspark/metrics.jsonl      # same lr path as a resumed DSpark run
@@ -42,6 +50,11 @@ from pathlib import Path
 from dspark_export.errors import DsparkExportError
 
 
+#: `train --draft-vocab` default: the N of the shipped build (`pipeline.SHIPPED_DRAFTER_BUILD`), so the loss is over
+#: the distribution the exported block drafts from (training/objective.py, "Draft vocabulary").
+DEFAULT_TRAIN_DRAFT_VOCAB = 8192
+
+
 def _log(t0):
     return lambda line: print(f"[{time.perf_counter() - t0:7.1f} s] {line}", file=sys.stderr, flush=True)
 
@@ -53,21 +66,71 @@ def _target(args):
     return path, load_target(path)
 
 
+class RuntimeResponder:
+    """`training.selfdata.Responder` over the project's runtime: every prompt of a call in flight at once
+    (continuous batching over the engine directory's request buckets)."""
+
+    def __init__(self, engine_dir: str, policy: str, threads: int = 0):
+        from dspark_export.runtime.api import Runtime
+
+        self.runtime = Runtime.open(engine_dir, policy=policy, threads=threads)
+        self.tokenizer = self.runtime.tokenizer
+        self.name = f"engine:{Path(engine_dir).name}:{policy}"
+
+    def generate(self, prompts, temperatures, seeds, max_new_tokens):
+        from dspark_export.runtime.request import SamplingParams
+
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=s)
+                  for t, s in zip(temperatures, seeds)]
+        return [(list(r.token_ids), r.finish_reason) for r in self.runtime.generate_ids(prompts, params)]
+
+
 def cmd_data(args, say):
     from dspark_export.datasets import default_datasets_dir
+    from dspark_export.errors import ConfigError
     from dspark_export.training.data import generate_responses
     from dspark_export.training.split import load_split
 
     folder = Path(args.datasets_dir) if args.datasets_dir else default_datasets_dir()
     split = load_split(datasets_dir=folder)
-    path, _ = _target(args)
     out = Path(args.run) / "data"
     out.mkdir(parents=True, exist_ok=True)
+    if (args.self_prompts or args.multi_turn) and not args.engine:
+        raise ConfigError("--self-prompts / --multi-turn: the target writes them through the runtime; give --engine DIR")
+    if args.engine:
+        _data_with_runtime(args, split, folder, out, say)
+        return
+    path, _ = _target(args)
     for part, limit, frac in (("train", args.limit, args.sampled_fraction),
                               ("calibration", args.calibration_limit, 0.0)):
         generate_responses(path, split, part, folder, out / f"{part}.jsonl", max_new_tokens=args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=frac, limit=limit,
                            batch=args.batch, seed=args.seed, progress=say)
+
+
+def _data_with_runtime(args, split, folder: Path, out: Path, say):
+    from dspark_export.training import selfdata
+
+    responder = RuntimeResponder(args.engine, args.policy, args.threads)
+    kw = dict(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, temperature=1.0,
+              seed=args.seed, concurrency=args.concurrency, progress=say)
+    for part, limit, frac in (("train", args.limit, args.sampled_fraction),
+                              ("calibration", args.calibration_limit, 0.0)):
+        selfdata.answer_split(responder, split, part, folder, out / f"{part}.jsonl", limit=limit,
+                              sampled_fraction=frac, **kw)
+    kw["sampled_fraction"] = args.sampled_fraction
+    if args.self_prompts:
+        stats = selfdata.write_self_prompts(responder, split, folder, out / "self_prompts.jsonl", args.self_prompts,
+                                            seed=args.seed, concurrency=args.concurrency, progress=say)
+        say(f"self-written prompts: {stats}")
+        selfdata.answer_self_prompts(responder, out / "self_prompts.jsonl", out / "train.jsonl", **kw)
+    if args.multi_turn:
+        stats = selfdata.write_follow_ups(responder, split, folder, out / "train.jsonl", out / "follow_ups.jsonl",
+                                          args.multi_turn, seed=args.seed, concurrency=args.concurrency,
+                                          max_prompt_tokens=args.max_turn_tokens, progress=say)
+        say(f"follow-ups: {stats}")
+        selfdata.answer_follow_ups(responder, out / "follow_ups.jsonl", out / "train.jsonl",
+                                   **{**kw, "max_prompt_tokens": args.max_turn_tokens})
 
 
 def cmd_features(args, say):
@@ -86,21 +149,52 @@ def cmd_features(args, say):
                             dtype=getattr(torch, args.dtype), progress=say)
 
 
+def _train_d2t(args, target, out: Path, say):
+    """(N or None, d2t or None) of `train --draft-vocab`; the ranking is fixed in <out>/draft_vocab.json at the
+    run's first call, so a resumed run keeps its d2t while the data grows."""
+    from dspark_export.errors import ConfigError
+    from dspark_export.training.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab_source, select_d2t, write_ranking
+
+    if args.draft_vocab == "full":
+        return None, None
+    try:
+        size = int(args.draft_vocab)
+    except ValueError:
+        raise ConfigError(f"--draft-vocab: expected 'full' or a size N, found {args.draft_vocab!r}") from None
+    vocab = int(target.config.vocab_size)
+    if size >= vocab:
+        say(f"draft vocabulary: N = {size} >= the vocabulary ({vocab}): training over the full vocabulary")
+        return None, None
+    fixed = out / DRAFT_VOCAB_FILE
+    source = fixed if fixed.is_file() else Path(args.draft_vocab_from or Path(args.run) / "data" / "train.jsonl")
+    ranking = load_draft_vocab_source(source, vocab, target.eos_token_ids)
+    if not fixed.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        write_ranking(fixed, ranking)
+    say(f"draft vocabulary: N = {size} of {vocab} (ranking {source})")
+    return size, select_d2t(ranking["ranking"], size, vocab)
+
+
 def cmd_train(args, say):
     from dspark_export.modeling.checkpoint import save_drafter
+    from dspark_export.training.draft_vocab import DRAFT_VOCAB_FILE
     from dspark_export.training.features import FeatureCache
     from dspark_export.training.trainer import TrainConfig, lr_path_from_metrics, train_drafter
 
     _, target = _target(args)
     out = Path(args.run) / args.name
+    size, d2t = _train_d2t(args, target, out, say)
     cfg = TrainConfig(out_dir=str(out), variant=args.variant, num_draft_layers=args.layers, markov_rank=args.markov_rank,
                       target_layer_ids=tuple(args.taps) if args.taps else None, steps=args.steps,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
-                      seed=args.seed, threads=args.threads, save_every=args.save_every)
+                      seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size)
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
+    eval_dir = Path(args.run) / "features" / "calibration"
+    eval_cache = FeatureCache(eval_dir) if args.eval_limit and (eval_dir / "meta.json").is_file() else None
     drafter = train_drafter(target, FeatureCache(Path(args.run) / "features" / "train"), cfg, progress=say,
-                            time_budget_s=args.time_budget, lr_schedule=schedule)
+                            time_budget_s=args.time_budget, lr_schedule=schedule, d2t=d2t, eval_cache=eval_cache,
+                            eval_stride=args.eval_stride, eval_limit=args.eval_limit)
     import torch
 
     step = torch.load(out / "training_state.pt", weights_only=True)["step"]
@@ -109,6 +203,8 @@ def cmd_train(args, say):
         return
     state = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     save_drafter(drafter, out / "drafter")
+    if d2t is not None:  # beside the checkpoint, as `draft-vocab` writes it (build --draft-vocab N reads it)
+        shutil.copy2(out / DRAFT_VOCAB_FILE, out / "drafter" / DRAFT_VOCAB_FILE)
     (out / "train_summary.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                                         "wall_s_this_call": round(time.perf_counter() - t0, 1),
                                                         "final": state}, indent=1))
@@ -175,8 +271,11 @@ def cmd_export(args, say):
     src = Path(args.run) / args.name / "drafter"
     drafter = load_drafter(src, target)
     out = save_drafter(drafter, args.out, include_embeddings=False, dtype=torch.float16)
-    if (src / CALIBRATION_FILE).is_file():
-        shutil.copy2(src / CALIBRATION_FILE, out / CALIBRATION_FILE)
+    from dspark_export.training.draft_vocab import DRAFT_VOCAB_FILE
+
+    for name in (CALIBRATION_FILE, DRAFT_VOCAB_FILE):
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
     size = sum(p.stat().st_size for p in out.iterdir())
     say(f"exported {out}: {size / 2**20:.2f} MiB")
 
@@ -215,6 +314,13 @@ def parse_args(argv=None):
     p.add_argument("--sampled-fraction", type=float, default=0.3)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", help="engine directory: answer through the project's runtime (else transformers)")
+    p.add_argument("--policy", default="dspark", help="runtime policy of --engine (greedy output equals ar's)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight through the runtime")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = its choice)")
+    p.add_argument("--self-prompts", type=int, default=0, help="meta-prompt requests for self-written prompts")
+    p.add_argument("--multi-turn", type=int, default=0, help="answered records to continue with a second user turn")
+    p.add_argument("--max-turn-tokens", type=int, default=768, help="multi-turn prompts longer than this are skipped")
     p = sub.add_parser("features", parents=[common])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p = sub.add_parser("train", parents=[common])
@@ -230,6 +336,15 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--time-budget", type=float, help="stop (resumably) after this many seconds")
+    p.add_argument("--draft-vocab", default=str(DEFAULT_TRAIN_DRAFT_VOCAB), metavar="N|full",
+                   help="train over the top N tokens of the ranking (the rest pooled into one bucket of the loss) "
+                        f"or the full vocabulary (default {DEFAULT_TRAIN_DRAFT_VOCAB}: the N the shipped drafter "
+                        "is built with, so training optimises the distribution it drafts from)")
+    p.add_argument("--draft-vocab-from", help="ranking: a draft_vocab.json or a responses JSONL (default "
+                                              "<run>/data/train.jsonl; fixed in <run>/<name>/draft_vocab.json)")
+    p.add_argument("--eval-stride", type=int, default=4, help="τ per checkpoint: every k-th calibration position")
+    p.add_argument("--eval-limit", type=int, default=64,
+                   help="τ per checkpoint over the first N calibration sequences (0 = no τ log)")
     p.add_argument("--lr-from", metavar="METRICS_JSONL",
                    help="follow another run's learning rate step by step (its metrics.jsonl), instead of "
                         "warmup + cosine: an ablation at an equal budget")

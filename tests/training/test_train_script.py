@@ -49,7 +49,24 @@ def test_train_script_stages(tiny_target_dir, tmp_path):
     lrs = [[json.loads(x)["lr"] for x in (tmp_path / "run" / name / "metrics.jsonl").read_text().splitlines()]
            for name in ("d", "f")]
     assert lrs[0] == lrs[1]
+    # training over a draft vocabulary: d2t fixed beside the run and the checkpoint, τ per checkpoint logged
+    assert main(["train", *run, "--name", "v", "--draft-vocab", "32", "--steps", "2", "--save-every", "1",
+                 "--seqs-per-step", "1", "--anchors-per-seq", "4", "--markov-rank", "8", "--eval-stride", "2"]) == 0
+    ranking = json.loads((tmp_path / "run" / "v" / "drafter" / "draft_vocab.json").read_text())
+    assert ranking["records"] == len(lines)
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "v" / "checkpoints.jsonl").read_text().splitlines()] \
+        == [1, 2]
+    assert "bucket_mass" in json.loads((tmp_path / "run" / "v" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert main(["export", *run, "--name", "v", "--out", str(tmp_path / "shipped-v")]) == 0
+    assert (tmp_path / "shipped-v" / "draft_vocab.json").is_file()
+    assert main(["train", *run, "--name", "w", "--draft-vocab", "lots", "--steps", "1"]) == 2
     # an interrupted run says so and leaves no drafter folder
     assert main(["train", *run, "--name", "e", "--steps", "50", "--seqs-per-step", "1", "--anchors-per-seq", "4",
                  "--markov-rank", "8", "--time-budget", "0"]) == 0
     assert not (tmp_path / "run" / "e" / "drafter").exists()
+
+
+def test_train_draft_vocab_default_is_the_shipped_build_size():
+    from dspark_export.pipeline import SHIPPED_DRAFTER_BUILD
+
+    assert _script().DEFAULT_TRAIN_DRAFT_VOCAB == SHIPPED_DRAFTER_BUILD["draft_vocab"]
