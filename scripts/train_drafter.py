@@ -77,10 +77,10 @@ class RuntimeResponder:
         self.tokenizer = self.runtime.tokenizer
         self.name = f"engine:{Path(engine_dir).name}:{policy}"
 
-    def generate(self, prompts, temperatures, seeds, max_new_tokens):
+    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0):
         from dspark_export.runtime.request import SamplingParams
 
-        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=s)
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, top_p=top_p if t else 1.0, seed=s)
                   for t, s in zip(temperatures, seeds)]
         return [(list(r.token_ids), r.finish_reason) for r in self.runtime.generate_ids(prompts, params)]
 
@@ -192,6 +192,10 @@ def cmd_train(args, say):
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     eval_dir = Path(args.run) / "features" / "calibration"
     eval_cache = FeatureCache(eval_dir) if args.eval_limit and (eval_dir / "meta.json").is_file() else None
+    if eval_cache is not None and not len(eval_cache):
+        eval_cache = None
+    if eval_cache is None and args.eval_limit:
+        say(f"no calibration features in {eval_dir}: no τ per checkpoint")
     drafter = train_drafter(target, FeatureCache(Path(args.run) / "features" / "train"), cfg, progress=say,
                             time_budget_s=args.time_budget, lr_schedule=schedule, d2t=d2t, eval_cache=eval_cache,
                             eval_stride=args.eval_stride, eval_limit=args.eval_limit)

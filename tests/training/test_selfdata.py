@@ -24,6 +24,8 @@ def test_normalize_and_clean():
     assert normalize_prompt("Ｃａｆé — “quoted”") == "café quoted"  # NFKC, case-folded, punctuation dropped
     assert clean_generated_prompt('Question: "How do I boil an egg?"') == "How do I boil an egg?"
     assert clean_generated_prompt("User's message:  Sort a list in Python ") == "Sort a list in Python"
+    assert clean_generated_prompt('A person might ask, \u201cWhy is the sky blue?\u201d') == "Why is the sky blue?"
+    assert clean_generated_prompt("A person might ask:\n\nWhat is SQL?") == "What is SQL?"
 
 
 def test_prompt_filter_keeps_evaluation_prompts_out_exactly_and_normalised():
@@ -62,7 +64,7 @@ class _Scripted:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts, self.calls = tokenizer, list(texts), []
 
-    def generate(self, prompts, temperatures, seeds, max_new_tokens):
+    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0):
         self.calls.append(len(prompts))
         out = []
         for _ in prompts:
@@ -113,10 +115,11 @@ class _RuntimeWithStops:
         self.tokenizer, self.name = self.inner.tokenizer, self.inner.name
         self.stops = tuple(range(40, 100))
 
-    def generate(self, prompts, temperatures, seeds, max_new_tokens):
+    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0):
         from dspark_export.runtime.request import SamplingParams
 
-        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=s, stop_token_ids=self.stops)
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, top_p=top_p if t else 1.0, seed=s,
+                                 stop_token_ids=self.stops)
                   for t, s in zip(temperatures, seeds)]
         return [(list(r.token_ids), r.finish_reason) for r in self.inner.runtime.generate_ids(prompts, params)]
 

@@ -87,3 +87,37 @@ def test_draft_vocabulary_mismatches_are_refused(train_target, feature_cache, tm
     train_drafter(train_target, feature_cache, _cfg(tmp_path / "run", 2, draft_vocab=96), d2t=D2T)
     with pytest.raises(ConfigError, match="another draft vocabulary"):
         train_drafter(train_target, feature_cache, _cfg(tmp_path / "run", 4, draft_vocab=96), d2t=D2T + 1)
+
+
+def test_an_evaluation_cache_without_greedy_records_is_refused_before_training(train_target, records, tmp_path):
+    import copy
+
+    from dspark_export.modeling.config import default_target_layer_ids
+    from dspark_export.training.features import FeatureCache, build_feature_cache
+
+    sampled = [{**r, "temperature": 1.0} for r in records[:3]]
+    ids = default_target_layer_ids(train_target.config.num_hidden_layers)
+    build_feature_cache(copy.deepcopy(train_target.model), sampled, ids, tmp_path / "f", dtype=torch.float32)
+    with pytest.raises(ConfigError, match="greedy"):
+        train_drafter(train_target, FeatureCache(tmp_path / "f"), _cfg(tmp_path / "run", 2),
+                      eval_cache=FeatureCache(tmp_path / "f"))
+    assert not (tmp_path / "run" / "training_state.pt").exists()
+
+
+def test_feature_cache_grows_with_appended_records(train_target, records, tmp_path):
+    """Records appended after a cache was built (more data): full parts are kept, the short last part is rebuilt."""
+    import copy
+
+    from dspark_export.modeling.config import default_target_layer_ids
+    from dspark_export.training.features import FeatureCache, build_feature_cache
+
+    ids = default_target_layer_ids(train_target.config.num_hidden_layers)
+    model = copy.deepcopy(train_target.model)
+    build_feature_cache(model, records[:5], ids, tmp_path, part_size=4, dtype=torch.float32)
+    stamp = (tmp_path / "part-00000" / "aux.npy").stat().st_mtime_ns
+    assert len(FeatureCache(tmp_path)) == 5
+    build_feature_cache(model, records[:10], ids, tmp_path, part_size=4, dtype=torch.float32)
+    cache = FeatureCache(tmp_path)
+    assert len(cache) == 10 and (tmp_path / "part-00000" / "aux.npy").stat().st_mtime_ns == stamp
+    for i in (4, 5, 9):
+        assert cache[i].tokens.tolist() == records[i]["prompt_ids"] + records[i]["response_ids"]

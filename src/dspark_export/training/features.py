@@ -20,7 +20,9 @@ Layout of a cache folder (written in parts so an interrupted run resumes at the 
     part-00000/last.npy              float16 [N, H]
     part-00000/index.json            {"offsets": [...], "prompt_lens": [...], "sources": [...]}
 
-A part's folder is written under a temporary name and renamed when complete.
+A part's folder is written under a temporary name and renamed when complete. When the records grow (the
+responses JSONL is append-only), the parts already full are kept and a last part holding fewer sequences
+than it now should is rebuilt, so the cache grows with the data.
 """
 
 from __future__ import annotations
@@ -84,14 +86,21 @@ def build_feature_cache(target_model, records: Sequence[dict], target_layer_ids:
     model = target_model.to(dtype)
     t0, done_tokens = time.perf_counter(), 0
     starts = range(0, len(records), part_size)
-    already = sum(min(part_size, len(records) - st) for st in starts
-                  if (out / f"part-{st // part_size:05d}" / "index.json").is_file())
+    def complete(start: int) -> bool:
+        index = out / f"part-{start // part_size:05d}" / "index.json"
+        if not index.is_file():
+            return False
+        n = len(json.loads(index.read_text(encoding="utf-8"))["prompt_lens"])
+        return n == min(part_size, len(records) - start)
+
+    already = sum(min(part_size, len(records) - st) for st in starts if complete(st))
     eta = Eta(len(records), start=already)  # parts on disk (a resumed run) do not count towards the rate
     for start in starts:
         name = f"part-{start // part_size:05d}"
         meta["parts"].append(name)
-        if (out / name / "index.json").is_file():
+        if complete(start):
             continue
+        shutil.rmtree(out / name, ignore_errors=True)  # a part written when there were fewer records
         tmp = out / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()

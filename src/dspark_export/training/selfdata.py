@@ -7,7 +7,7 @@ Three sources, each appended to the same responses JSONL (`training.data` record
 (a) the training split's prompts (`answer_split`), dataset = the prompt file's name, row = its row;
 (b) prompts the target writes itself (`write_self_prompts`, then `answer_self_prompts`): request k asks, with
     the meta-prompt `META_PROMPT`, for one user question in domain ``DOMAINS[k % len(DOMAINS)]``, sampled at
-    temperature 1 with seed ``seed·1_000_003 + k``; the text is cleaned, length-filtered and deduplicated
+    `PROMPT_TEMPERATURE` / `PROMPT_TOP_P` with seed ``seed·1_000_003 + k``; the text is cleaned, length-filtered and deduplicated
     (exact and `normalize_prompt` match) against the evaluation and calibration prompts (`reserved_prompts`:
     the evaluation rows of every dataset, the evaluation-only datasets whole, the calibration rows), the
     training split's prompts and every prompt accepted before. ``self_prompts.jsonl``:
@@ -54,12 +54,16 @@ DOMAINS = ("everyday life and practical advice", "cooking and food", "travel", "
            "Python programming", "JavaScript and web development", "debugging a program", "algorithms and data structures",
            "SQL and databases", "shell commands and Linux", "arithmetic word problems", "algebra", "geometry",
            "probability and statistics", "calculus", "logic puzzles")
-META_PROMPT = ("Write one question or request that a user might send to an AI assistant about {domain}. "
-               "Write only the user's message, nothing else.")
-FOLLOW_UP_PROMPT = ("Here is a conversation between a user and an AI assistant.\n\nUser: {user}\n\nAssistant: "
-                    "{assistant}\n\nWrite the user's next message: a short follow-up question or request about the "
-                    "conversation. Write only that message, nothing else.")
-_PREFIX = re.compile(r"^\s*(user(?:'s)? (?:message|question)|user|question|request|message)\s*:\s*", re.IGNORECASE)
+#: The meta-prompt; on SmolLM2-135M this wording at T 0.7 / top-p 0.9 gave on-topic questions where "write one
+#: question ... that a user might send to an AI assistant" at T 1 gave mostly off-topic text (reports/drafter).
+META_PROMPT = "Give an example of a question that a person might ask about {domain}. Reply with the question only."
+FOLLOW_UP_PROMPT = ("Here is a conversation between a user and an assistant.\n\nUser: {user}\n\nAssistant: "
+                    "{assistant}\n\nGive an example of the next question the user might ask. Reply with the "
+                    "question only.")
+#: Sampling of the generated prompts (meta-prompt and follow-ups): temperature and nucleus.
+PROMPT_TEMPERATURE, PROMPT_TOP_P = 0.7, 0.9
+_PREFIX = re.compile(r"^\s*(a (?:person|user) (?:might|could|may) ask|user(?:'s)? (?:message|question)|user|question|"
+                     r"request|message)\s*[:,]?\s*", re.IGNORECASE)
 
 
 class Responder(Protocol):
@@ -74,7 +78,7 @@ class Responder(Protocol):
     name: str
 
     def generate(self, prompts: list[list[int]], temperatures: list[float], seeds: list[int],
-                 max_new_tokens: int) -> list[tuple[list[int], str]]:
+                 max_new_tokens: int, top_p: float = 1.0) -> list[tuple[list[int], str]]:
         """(generated ids, finish reason "stop" | "length" | other) per prompt, all prompts in flight at once."""
         ...
 
@@ -86,10 +90,11 @@ def normalize_prompt(text: str) -> str:
 
 
 def clean_generated_prompt(text: str) -> str:
-    """A generated user message as a prompt: whitespace stripped, one label ("Question:", "User:") and one pair
-    of enclosing quotes removed."""
+    """A generated user message as a prompt: whitespace stripped, one lead-in ("Question:", "User:", "A person
+    might ask:") and one pair of enclosing quotes removed."""
     text = _PREFIX.sub("", text.strip()).strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'`":
+    pairs = {'"': '"', "'": "'", "`": "`", "\u201c": "\u201d"}
+    if len(text) >= 2 and pairs.get(text[0]) == text[-1]:
         text = text[1:-1].strip()
     return text
 
@@ -262,7 +267,7 @@ def write_self_prompts(responder: Responder, split: dict, datasets_dir: str | Pa
         prompts = [_chat_ids(responder.tokenizer, [{"role": "user", "content": META_PROMPT.format(
             domain=domains[k % len(domains)])}]) for k in ks]
         seeds = [seed * 1_000_003 + k for k in ks]
-        outs = responder.generate(prompts, [1.0] * len(ks), seeds, max_new_tokens)
+        outs = responder.generate(prompts, [PROMPT_TEMPERATURE] * len(ks), seeds, max_new_tokens, top_p=PROMPT_TOP_P)
         rows = []
         for k, s, (ids, finish) in zip(ks, seeds, outs):
             text = clean_generated_prompt(responder.tokenizer.decode(ids, skip_special_tokens=True))
@@ -347,8 +352,8 @@ def write_follow_ups(responder: Responder, split: dict, datasets_dir: str | Path
             user=u, assistant=a)}]) for _, u, a in chunk]
         seeds = [_key_seed(seed, "follow-up", rec["dataset"], rec["row"]) for rec, _, _ in chunk]
         fits = [len(p) <= max_prompt_tokens for p in prompts]
-        outs = iter(responder.generate([p for p, f in zip(prompts, fits) if f], [1.0] * sum(fits),
-                                       [s for s, f in zip(seeds, fits) if f], max_new_tokens))
+        outs = iter(responder.generate([p for p, f in zip(prompts, fits) if f], [PROMPT_TEMPERATURE] * sum(fits),
+                                       [s for s, f in zip(seeds, fits) if f], max_new_tokens, top_p=PROMPT_TOP_P))
         rows = []
         for (rec, user, answer), s, fit in zip(chunk, seeds, fits):
             if not fit:

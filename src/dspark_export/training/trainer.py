@@ -169,6 +169,11 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                 torch.unique(d2t).numel() != d2t.numel():
             raise ConfigError(f"train_drafter: d2t: expected {cfg.draft_vocab} distinct token ids in "
                               f"[0, {dcfg.vocab_size})")
+    if eval_cache is not None:
+        n = len(eval_cache) if eval_limit is None else min(eval_limit, len(eval_cache))
+        if not any((eval_cache[i].source.get("temperature") or 0) == 0 for i in range(n)):
+            raise ConfigError(f"{eval_cache.folder}: the τ evaluation needs greedy (temperature 0) records among its "
+                              f"first {n} sequences, found none")
     drafter = init_drafter(target, dcfg, seed=cfg.seed).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     frozen = {n for n, p in drafter.named_parameters() if not p.requires_grad}
