@@ -78,7 +78,7 @@ def _profile(model, feed: dict, runs: int) -> dict:
         parts[_part(name)] += e["dur"] / 1e3 / runs
         top[f"{e['args'].get('op_name', '')} {name}"] += e["dur"] / 1e3 / runs
     total = sum(parts.values())
-    return {"node_ms": round(total, 3), "ms": {k: round(v, 3) for k, v in parts.most_common()},
+    return {"node_ms": round(total, 3), "nodes_per_run": per_run, "ms": {k: round(v, 3) for k, v in parts.most_common()},
             "share": {k: round(v / total, 3) for k, v in parts.most_common()},
             "top_nodes_ms": {k: round(v, 3) for k, v in top.most_common(12)}}
 
@@ -92,6 +92,16 @@ def _block_feed(spec, R: int, P: int, rng) -> dict:
         for name in ("context_key", "context_value"):
             feed[f"{name}.{i}"] = rng.standard_normal((R, spec.num_kv_heads, P, spec.head_dim)).astype(np.float32)
     return feed
+
+
+def _saved_block_feed(sess, R: int, P: int, rng) -> dict:
+    """`_block_feed` for a saved block graph, its dimensions read from the graph's inputs."""
+    dims = {i.name: i.shape for i in sess.get_inputs()}
+    kvh, d = dims["context_key.0"][1], dims["context_key.0"][3]
+    vocab = {o.name: o.shape for o in sess.get_outputs()}["draft_logits"][2]
+    spec = argparse.Namespace(vocab_size=vocab, block_size=dims["uniforms"][1], num_kv_heads=kvh, head_dim=d,
+                              num_layers=sum(n.startswith("context_key.") for n in dims))
+    return _block_feed(spec, R, P, rng)
 
 
 def _target_feed(sess, P: int, rng) -> dict:
@@ -109,8 +119,13 @@ def main(argv=None) -> int:
     p.add_argument("--ranking", required=True, help="draft_vocab.json (scripts/train_drafter.py draft-vocab)")
     p.add_argument("--target-graph", action="append", default=[], metavar="LABEL=PATH",
                    help="a target.onnx to time at B = 1 (repeatable)")
+    p.add_argument("--block-graph", action="append", default=[], metavar="LABEL=PATH",
+                   help="also time a saved drafter_block.onnx (e.g. one built by another commit) at each R (repeatable)")
     p.add_argument("--sizes", default="4096,8192,16384,32768,full")
     p.add_argument("--formats", default="float32,int8,int4", help="drafter layer formats")
+    p.add_argument("--forms", default="auto",
+                   help="block forms, comma-separated: auto (what build exports: fused exactly when the layers are "
+                        "quantized), plain, fused (exporter.drafter.build_block_graph's `fused`)")
     p.add_argument("--requests", default="1,4,16")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rounds", type=int, default=15)
@@ -146,20 +161,26 @@ def main(argv=None) -> int:
         label, path = label_path.split("=", 1)
         s = _session(path, args.threads)
         sessions[f"target:{label}"] = (s, {1: _target_feed(s, args.context, rng)})
+    for label_path in args.block_graph:
+        label, path = label_path.split("=", 1)
+        s = _session(path, args.threads)
+        sessions[f"block:{label}"] = (s, {R: _saved_block_feed(s, R, args.context, rng) for R in requests})
     import torch
 
     from dspark_export.exporter.drafter import _spec
 
     for size in args.sizes.split(","):
         d2t = None if size == "full" else select_d2t(ranking, int(size), vocab)
-        for fmt in args.formats.split(","):
+        for fmt, form in ((f, form) for f in args.formats.split(",") for form in args.forms.split(",")):
+            fused = {"auto": None, "plain": False, "fused": True}[form]
             with torch.no_grad():
-                model = build_block_graph(drafter, inputs.rope, embed, "int8", d2t, fmt)
+                model = build_block_graph(drafter, inputs.rope, embed, "int8", d2t, fmt, fused=fused)
             spec = _spec(drafter, "int8", 0 if d2t is None else len(d2t), fmt)
             s = _session(model, args.threads)
-            models[f"drafter:N={size}:{fmt}"] = model
-            sessions[f"drafter:N={size}:{fmt}"] = (s, {R: _block_feed(spec, R, args.context, rng) for R in requests})
-            print(f"built N={size} {fmt}", file=sys.stderr, flush=True)
+            label = f"drafter:N={size}:{fmt}" + ("" if form == "auto" else f":{form}")
+            models[label] = model
+            sessions[label] = (s, {R: _block_feed(spec, R, args.context, rng) for R in requests})
+            print(f"built N={size} {fmt} {form}", file=sys.stderr, flush=True)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {}
     for rnd in range(args.rounds):
@@ -176,15 +197,25 @@ def main(argv=None) -> int:
     targets = {k.split(":")[1]: v["median_ms"] for k, v in stats.items() if k.startswith("target:")}
     rows = []
     for size in args.sizes.split(","):
-        for fmt in args.formats.split(","):
-            row = {"N": size, "layers": fmt}
+        for fmt, form in ((f, form) for f in args.formats.split(",") for form in args.forms.split(",")):
+            row = {"N": size, "layers": fmt, "form": form}
+            label = f"drafter:N={size}:{fmt}" + ("" if form == "auto" else f":{form}")
             for R in requests:
-                st = stats[f"drafter:N={size}:{fmt}:R={R}"]
+                st = stats[f"{label}:R={R}"]
                 row[f"R{R}_ms"] = st["median_ms"]
                 row[f"R{R}_iqr_ms"] = [st["q25_ms"], st["q75_ms"]]
             for t, ms in targets.items():
                 row[f"R1_share_of_{t}"] = round(row["R1_ms"] / ms, 3)
             rows.append(row)
+    for label_path in args.block_graph:
+        label = label_path.split("=", 1)[0]
+        row = {"graph": label}
+        for R in requests:
+            st = stats[f"block:{label}:R={R}"]
+            row[f"R{R}_ms"], row[f"R{R}_iqr_ms"] = st["median_ms"], [st["q25_ms"], st["q75_ms"]]
+        for t, ms in targets.items():
+            row[f"R1_share_of_{t}"] = round(row["R1_ms"] / ms, 3)
+        rows.append(row)
     profiles = {}
     for label, model in models.items() if args.profile else ():
         profiles[label] = _profile(model, sessions[label][1][requests[0]], args.profile)

@@ -232,3 +232,17 @@ def test_make_node_checks_inputs_against_configuration():
 
 def _config(block_size: int, has_markov: bool, has_confidence: bool) -> dict:
     return dict(block_size=block_size, has_markov=has_markov, has_confidence=has_confidence)
+
+
+def test_function_body_has_one_if_and_five_nodes_per_greedy_slot():
+    """γ = 7 with a Markov head and d2t: one If picks every slot (not one per slot), and the greedy branch does
+    Gather(W1), MatMul, Add, ArgMax, Gather(d2t) per slot plus one Split and two Concats (and its constants)."""
+    from dspark_export.plugins.markov_draft.onnx_function import make_function
+
+    body = make_function(block_size=7, has_markov=True, has_confidence=True, has_d2t=True)
+    ifs = [n for n in body.node if n.op_type == "If"]
+    assert len(ifs) == 1
+    then = next(a.g for a in ifs[0].attribute if a.name == "then_branch")
+    work = [n.op_type for n in then.node if n.op_type != "Constant"]
+    assert len(work) == 5 * 7 + 3
+    assert sorted(set(work)) == ["Add", "ArgMax", "Concat", "Gather", "MatMul", "Split"]

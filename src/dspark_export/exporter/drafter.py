@@ -35,6 +35,8 @@ The block is [anchor, mask × (γ-1)] at positions start..start+γ-1; it attends
 itself and to all context entries (paper §3.1; DeepSpec spec §1.3-1.4). It ends in one
 `dspark::MarkovDraft` node (plugins/markov_draft); with a draft vocabulary d2t (and a Markov head) the
 node runs over the N draft rows (LM head and W2 rows at d2t) and scatters draft_logits back to V itself.
+With quantized layers the block's layers are built in the fused form of the target graph
+(`_fused_block_layers`: ONNX Runtime contrib ops); the float32 block stays standard ONNX (TensorRT).
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ import torch
 from ..errors import ConfigError
 from ..plugins.markov_draft import onnx_function as markov_fn
 from ..plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB as _OUTSIDE_DRAFT_VOCAB
-from .builder import (GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
+from .builder import (NEG_INF, GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
                       swiglu_mlp, two_part_attention)
+from .quantize import MS_DOMAIN
 
 __all__ = ["DrafterGraphSpec", "build_drafter_graphs", "export_drafter", "check_d2t", "draft_vocab_head",
            "draft_vocab_logits",
@@ -358,8 +361,104 @@ def _block_layer(b, sd, c, i: int, h: str, ctx: dict) -> str:
     return b.op("Add", [h, swiglu_mlp(b, x, sd, f"layers.{i}.mlp", f"{name}/mlp")], f"{name}/mlp_residual")
 
 
-def _block_inputs(b: GraphBuilder, c, spec) -> tuple[str, str]:
-    """Block token ids and positions, both flattened to [R·γ]."""
+# -- the fused block layers ------------------------------------------------------------------------
+# The moves of the fused target graph (exporter/target.py `_build_fused`) on the drafter block: the residual
+# stream is [1, R·γ, H] (ONNX Runtime's contrib ops want a batch axis), RMSNorm + residual add is one
+# SkipSimplifiedLayerNormalization, RoPE one RotaryEmbedding per q and k over a [max_position + γ, D/2] table,
+# q/k/v one projection + Split, gate/up one + Split, SiLU one QuickGelu (alpha 1), the context mask and the
+# split sizes are computed once for every layer, and the 1/√D scale rides on FusedMatMul's alpha. γ is static,
+# so the attention reshapes use constant shapes (no Shape/Concat per layer). Same math as `_block_layer`: the
+# merged projections hold the same columns (MatMulNBits quantizes each column's blocks alone, so the quantized
+# weights are the same too), a masked score is s + (−1e30) instead of Where(mask, s, −1e30) (both −1e30 in
+# float32), and the rest differs by float rounding (the norms' sums, RoPE's cos/sin table, the scale's place).
+
+def _fused_attention_context(b: GraphBuilder, c) -> dict:
+    """What every layer's attention shares: the context mask as an additive bias [R, 1, 1, P] (0 where
+    j < context_lens[r], −1e30 elsewhere) and the Split sizes [P, γ] of the scores."""
+    n = "attn_shared"
+    p_dim = b.op("Shape", ["context_key.0"], n, start=2, end=3)                  # [P]
+    p_idx = b.op("Range", [b.const(0), b.op("Squeeze", [p_dim, b.const([0])], n), b.const(1)], n)
+    lens = b.op("Reshape", ["context_lens", b.const([-1, 1, 1, 1])], n)
+    bias = b.op("Where", [b.op("Less", [p_idx, lens], n), b.const(0.0, "float32"), b.const(NEG_INF, "float32")], n)
+    return {"past_bias": bias, "split": b.op("Concat", [p_dim, b.const([c.block_size])], n, axis=0)}
+
+
+def _fused_block_attention(b: GraphBuilder, c, i: int, q: str, k: str, v: str, actx: dict, name: str) -> str:
+    """Block attention of q [1, R·γ, nH·D] over [context ; block] keys (bidirectional, DSpark §3.1) -> [1, R·γ, nH·D].
+
+    Same graph as `builder.two_part_attention` with causal=False: queries grouped per KV head
+    ([R, kvH, G·γ, D]), scores against the context cache and the block keys, one softmax over both.
+    """
+    nh, nkv, d, g = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.block_size
+    grp = nh // nkv
+    q5 = b.op("Transpose", [b.op("Reshape", [q, b.const([-1, g, nkv, grp, d])], name)], name, perm=[0, 2, 3, 1, 4])
+    qg = b.op("Reshape", [q5, b.const([0, nkv, grp * g, d])], name)                 # [R, kvH, G·γ, D]
+    kb = b.op("Transpose", [b.op("Reshape", [k, b.const([-1, g, nkv, d])], name)], name, perm=[0, 2, 1, 3])
+    vb = b.op("Transpose", [b.op("Reshape", [v, b.const([-1, g, nkv, d])], name)], name, perm=[0, 2, 1, 3])
+    scale = float(d ** -0.5)
+    s_ctx = b.op("FusedMatMul", [qg, f"context_key.{i}"], name, domain=MS_DOMAIN, transB=1, alpha=scale)
+    s_blk = b.op("FusedMatMul", [qg, kb], name, domain=MS_DOMAIN, transB=1, alpha=scale)
+    scores = b.op("Concat", [b.op("Add", [s_ctx, actx["past_bias"]], name), s_blk], name, axis=-1)
+    p_ctx, p_blk = b.op("Split", [b.op("Softmax", [scores], name, axis=-1), actx["split"]], name,
+                        num_outputs=2, axis=-1)
+    out = b.op("Add", [b.op("MatMul", [p_ctx, f"context_value.{i}"], name), b.op("MatMul", [p_blk, vb], name)],
+               name)                                                                # [R, kvH, G·γ, D]
+    out = b.op("Transpose", [b.op("Reshape", [out, b.const([0, nkv, grp, g, d])], name)], name, perm=[0, 3, 1, 2, 4])
+    return b.op("Reshape", [out, b.const([1, -1, nh * d])], name)
+
+
+def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tuple[np.ndarray, float]) -> str:
+    """Every drafter layer and the final norm over the block rows h [1, R·γ, H] (positions pos [1, R·γ]) in the
+    fused form (see the comment above) -> the post-final-norm rows [R·γ, H]."""
+    from .target import _head_norm, _rope_tables, _skip_rms_norm
+
+    b.opsets[MS_DOMAIN] = 1
+    nh, nkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    # + γ rows: a block starts at the last context position and reaches γ - 1 past it. Named apart from the
+    # target's tables (a different row count), so `save_model(share_from=target)` never mixes them up.
+    cos, sin = _rope_tables(*rope, c.max_position_embeddings + c.block_size)
+    cos, sin = b.weight("drafter_block.rope.cos_cache", cos), b.weight("drafter_block.rope.sin_cache", sin)
+    actx = _fused_attention_context(b, c)
+    delta = None
+    for i in range(c.num_hidden_layers):
+        p, a, m, name = f"layers.{i}", f"layers.{i}.self_attn", f"layers.{i}.mlp", f"layers.{i}"
+        w_in = b.weight(f"{p}.input_layernorm.weight", sd[f"{p}.input_layernorm.weight"])
+        if delta is None:
+            x = rms_norm(b, h, w_in, eps, f"{name}/input_layernorm")
+        else:
+            x, h = _skip_rms_norm(b, h, delta, w_in, eps, f"{name}/input_layernorm")
+        biases = [sd.get(f"{a}.{t}_proj.bias") for t in "qkv"]
+        if any(x_ is not None for x_ in biases) and not all(x_ is not None for x_ in biases):
+            raise ConfigError(f"drafter {a}: expected a bias on all of q/k/v_proj or none")
+        qkv = linear(b, x, f"{a}.qkv_proj.weight", np.concatenate([sd[f"{a}.{t}_proj.weight"] for t in "qkv"]),
+                     f"{name}/attn/qkv_proj", None if biases[0] is None else np.concatenate(biases),
+                     f"{a}.qkv_proj.bias")
+        q, k, v = b.op("Split", [qkv, b.const([nh * d, nkv * d, nkv * d])], f"{name}/attn/qkv_split",
+                       num_outputs=3, axis=-1)
+        if f"{a}.q_norm.weight" in sd:
+            q = _head_norm(b, q, sd, f"{a}.q_norm.weight", nh, d, eps, f"{name}/attn/q_norm")
+        if f"{a}.k_norm.weight" in sd:
+            k = _head_norm(b, k, sd, f"{a}.k_norm.weight", nkv, d, eps, f"{name}/attn/k_norm")
+        q = b.op("RotaryEmbedding", [q, pos, cos, sin], f"{name}/attn/q_rope", domain=MS_DOMAIN)
+        k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
+        attn = _fused_block_attention(b, c, i, q, k, v, actx, f"{name}/attn")
+        attn = linear(b, attn, f"{a}.o_proj.weight", sd[f"{a}.o_proj.weight"], f"{name}/attn/o_proj",
+                      sd.get(f"{a}.o_proj.bias"), f"{a}.o_proj.bias")
+        w_post = b.weight(f"{p}.post_attention_layernorm.weight", sd[f"{p}.post_attention_layernorm.weight"])
+        x, h = _skip_rms_norm(b, h, attn, w_post, eps, f"{name}/post_attention_layernorm")
+        inter = sd[f"{m}.gate_proj.weight"].shape[0]
+        gu = linear(b, x, f"{m}.gate_up_proj.weight",
+                    np.concatenate([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]]), f"{name}/mlp/gate_up_proj")
+        gate, up = b.op("Split", [gu, b.const([inter, inter])], f"{name}/mlp/split", num_outputs=2, axis=-1)
+        act = b.op("QuickGelu", [gate], f"{name}/mlp/act", domain=MS_DOMAIN, alpha=1.0)
+        delta = linear(b, b.op("Mul", [act, up], f"{name}/mlp"), f"{m}.down_proj.weight", sd[f"{m}.down_proj.weight"],
+                       f"{name}/mlp/down_proj")
+    normed, _ = _skip_rms_norm(b, h, delta, b.weight("norm.weight", sd["norm.weight"]), eps, "norm")
+    return b.op("Reshape", [normed, b.const([-1, c.hidden_size])], "norm")
+
+
+def _block_inputs(b: GraphBuilder, c, spec, batch_axis: bool = False) -> tuple[str, str]:
+    """Block token ids and positions, both flattened to [R·γ] (to [1, R·γ] with `batch_axis`)."""
     g = c.block_size
     for name, shape, dtype in drafter_block_io_contract(spec)["inputs"]:
         b.input(name, dtype, shape)
@@ -367,19 +466,24 @@ def _block_inputs(b: GraphBuilder, c, spec) -> tuple[str, str]:
     masks = b.op("Expand", [b.const([[c.mask_token_id]]),
                             b.op("Concat", [b.op("Shape", ["anchor_ids"], "block_ids"), b.const([g - 1])],
                                  "block_ids", axis=0)], "block_ids")
-    ids = b.op("Reshape", [b.op("Concat", [anchor, masks], "block_ids", axis=1), b.const([-1])], "block_ids")
+    flat = b.const([1, -1] if batch_axis else [-1])
+    ids = b.op("Reshape", [b.op("Concat", [anchor, masks], "block_ids", axis=1), flat], "block_ids")
     start = b.op("Unsqueeze", ["start_positions", b.const([1])], "block_positions")
     pos = b.op("Add", [start, b.const(np.arange(g).reshape(1, g))], "block_positions")
-    return ids, b.op("Reshape", [pos, b.const([-1])], "block_positions")
+    return ids, b.op("Reshape", [pos, flat], "block_positions")
 
 
 def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.ndarray | None,
-                      lm_head_dtype: str = "float32", d2t=None, layer_weights: str = "float32") -> onnx.ModelProto:
+                      lm_head_dtype: str = "float32", d2t=None, layer_weights: str = "float32",
+                      fused: bool | None = None) -> onnx.ModelProto:
     """drafter_block.onnx: anchors + context cache -> drafts, draft logits, confidence.
 
     Args:
         d2t: the draft vocabulary [N] (target token ids; `check_d2t`), or None for the full vocabulary.
         layer_weights: the drafter layers' weight format (`quantize_drafter_layers`).
+        fused: build the layers in the fused form (`_fused_block_layers`: ONNX Runtime contrib ops, fewer
+            nodes). None = fused exactly when the layers are quantized (MatMulNBits already ties the graph to
+            ONNX Runtime), so the float32 block stays standard ONNX for the TensorRT lowering.
     Raises:
         ConfigError: `lm_head_dtype` is not one of `LM_HEAD_DTYPES`, a bad `d2t` or `layer_weights`.
     """
@@ -391,14 +495,19 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     spec = _spec(drafter, lm_head_dtype, 0 if d2t is None else len(d2t), layer_weights)
     op_d2t = d2t if spec.markov_rank > 0 else None  # MarkovDraft over the draft vocabulary (needs W1 for V)
     sd = {k: v.detach().float().numpy() for k, v in drafter.state_dict().items()}
+    if fused is None:
+        fused = layer_weights != "float32"
     b = GraphBuilder("drafter_block")
-    ids, pos = _block_inputs(b, c, spec)
+    ids, pos = _block_inputs(b, c, spec, batch_axis=fused)
     embed = b.weight(_embed_name(sd, "embed_tokens.weight", target_embed), sd["embed_tokens.weight"])
     h = b.op("Gather", [embed, ids], "embed_tokens", axis=0)
-    cos, sin = rope_cos_sin(b, pos, *rope)
-    for i in range(c.num_hidden_layers):
-        h = _block_layer(b, sd, c, i, h, {"cos": cos, "sin": sin})
-    h = rms_norm(b, h, b.weight("norm.weight", sd["norm.weight"]), c.rms_norm_eps, "norm")
+    if fused:
+        h = _fused_block_layers(b, sd, c, h, pos, rope)
+    else:
+        cos, sin = rope_cos_sin(b, pos, *rope)
+        for i in range(c.num_hidden_layers):
+            h = _block_layer(b, sd, c, i, h, {"cos": cos, "sin": sin})
+        h = rms_norm(b, h, b.weight("norm.weight", sd["norm.weight"]), c.rms_norm_eps, "norm")
     if op_d2t is not None:
         logits = draft_vocab_logits(b, h, sd["lm_head.weight"], op_d2t, lm_head_dtype)  # [R·γ, N]: no scatter
     elif d2t is not None:

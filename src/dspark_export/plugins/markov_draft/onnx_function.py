@@ -4,20 +4,21 @@ I/O contract: the table in ``markov_draft/schema.py``. The γ slots are unrolled
 ``MarkovDraftConfig.block_size``); R, V and Vd stay dynamic. The body depends on the configuration, so
 the function carries the overload ``MarkovDraftConfig.overload`` and nodes name the same overload.
 
-    prev = anchor_ids
-    for k in 0..γ-1:                       (unrolled)
-        L_k  = Gather(base_logits, k, axis 1) [+ MatMul(Gather(W1, prev), W2ᵀ)]      [R, Vd]
-        j_k  = If(every temperature <= 0,                                           [R]
-                  ArgMax(L_k),                                     (greedy batch: no warp, no sampling)
-                  Where(temperature <= 0, ArgMax(L_k), sample(warp(L_k), u[:, k])))
+    draft_ids, L = If(every temperature <= 0, greedy slots, mixed slots)     (one If for all γ slots)
+    slots (unrolled), prev = anchor_ids:
+        L_k  = base_logits[:, k] [+ MatMul(Gather(W1, prev), W2ᵀ)]                 [R, Vd]
+        j_k  = ArgMax(L_k)                                                  (greedy slots: no warp, no sampling)
+               Where(temperature <= 0, ArgMax(L_k), sample(warp(L_k), u[:, k]))  (mixed slots)
         x_k  = j_k, or Gather(d2t, j_k) with a draft vocabulary (target ids)
         prev = x_k
-    draft_ids = Concat(x_k), draft_logits = Concat(L_k)
+    draft_ids = Concat(x_k), L = Concat(L_k), draft_logits = L
         with d2t: ScatterElements(Expand(OUTSIDE_DRAFT_VOCAB, [R, γ, V]), Expand(d2t, [R, γ, Vd]), ·, axis 2)
     confidence = Sigmoid((MatMul(Concat(hidden, Gather(W1, [anchor, x_0..x_{γ-2}])), w) + b) / T)
 
-With d2t every per-slot op (the W2 product, warp, sampling, argmax) reads Vd rows, not V: the Markov
-table W2 [V, r] was the largest read of the drafter block on CPU (reports/drafter/draft-vocab.md).
+One If picks all γ slots (ONNX Runtime pays a subgraph call per If); the greedy slots keep rows as
+[R, 1, Vd] (one Split of base_logits, no Unsqueeze per slot): five nodes a slot with a Markov head and d2t.
+With d2t every per-slot op (the W2 product, warp, sampling, argmax) reads Vd rows, not V: the Markov table
+W2 [V, r] was the largest read of the drafter block on CPU (reports/drafter/draft-vocab.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from onnx import TensorProto, helper
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
 from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB, SCHEMA, MarkovDraftConfig
-from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function, make_if
+from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function
 from dspark_export.plugins.common.onnx_sampling import emit_argmax, emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 
 I64 = np.int64
@@ -52,31 +53,72 @@ def make_function(**static_config) -> onnx.FunctionProto:
     b = NodeBuilder("/MarkovDraft/")
     is_greedy, all_greedy = emit_greedy_masks(b, "temperature")
     w2_t = b.op("Transpose", "markov_w2") if config.has_markov else None
-    ids, logits, prev = [], [], "anchor_ids"
-    for k in range(config.block_size):
+    anchor = unsqueeze_last(b, "anchor_ids")  # [R, 1]
+    greedy, mixed = b.branch("greedy/"), b.branch("mixed/")
+    then_graph = _branch_graph(greedy, "then", _emit_greedy_steps(greedy, config, w2_t, anchor))
+    else_graph = _branch_graph(mixed, "else", _emit_mixed_steps(mixed, config, w2_t, is_greedy))
+    logits = "draft_logits" if not config.has_d2t else f"{b.prefix}slot_logits"
+    b.nodes.append(helper.make_node("If", [all_greedy], ["draft_ids", logits], name=f"{b.prefix}If_slots",
+                                    then_branch=then_graph, else_branch=else_graph))
+    if config.has_d2t:
+        _emit_scatter(b, logits)
+    _emit_confidence(b, config, anchor)
+    return _make_function(SCHEMA.op_type, SCHEMA.input_names, SCHEMA.output_names, b, SCHEMA.doc, config.overload)
+
+
+def _emit_greedy_steps(b: NodeBuilder, config: MarkovDraftConfig, w2_t: str | None, anchor: str) -> tuple[str, str]:
+    """The γ slots when every row is greedy -> (ids [R, γ] int64, logits [R, γ, Vd] float32).
+
+    Rows stay [R, 1, ·]: one Split of base_logits into the γ slots, ids [R, 1], no Unsqueeze per slot. The same
+    values as `_emit_mixed_steps` gives a greedy row (the same MatMul, Add and first-index ArgMax per row).
+    """
+    g = config.block_size
+    slots = b.op("Split", "base_logits", b.const([1] * g, I64), axis=1, num_outputs=g)
+    slots = [slots] if g == 1 else slots
+    ids, logits, prev = [], [], anchor
+    for k in range(g):
         step = b.branch(f"step{k}/")
-        logits_k = step.op("Gather", "base_logits", step.const(k, I64), axis=1)  # [R, V]
+        logits_k = slots[k]                                                           # [R, 1, Vd]
         if config.has_markov:
-            bias = step.op("MatMul", step.op("Gather", "markov_w1", prev, axis=0), w2_t)
-            logits_k = step.op("Add", logits_k, bias)
-        greedy = step.branch("greedy/")
-        mixed = step.branch("mixed/")
-        probs = emit_warp_probs(mixed, logits_k, "temperature", "top_k", "top_p")
-        sampled = emit_sample(mixed, probs, mixed.op("Gather", "uniforms", mixed.const(k, I64), axis=1))
-        prev = make_if(step, all_greedy, (greedy, emit_argmax(greedy, logits_k)),
-                       (mixed, mixed.op("Where", is_greedy, emit_argmax(mixed, logits_k), sampled)), TensorProto.INT64)
+            logits_k = step.op("Add", logits_k, step.op("MatMul", step.op("Gather", "markov_w1", prev, axis=0), w2_t))
+        prev = emit_argmax(step, logits_k)                                            # [R, 1]
         if config.has_d2t:
             prev = step.op("Gather", "d2t", prev, axis=0)  # draft row -> target id
         b.absorb(step)
+        ids.append(prev)
+        logits.append(logits_k)
+    return _concat(b, ids), _concat(b, logits)
+
+
+def _emit_mixed_steps(b: NodeBuilder, config: MarkovDraftConfig, w2_t: str | None, is_greedy: str) -> tuple[str, str]:
+    """The γ slots when some row samples -> (ids [R, γ] int64, logits [R, γ, Vd] float32): warp, sample,
+    and the argmax for the greedy rows (``Where``)."""
+    ids, logits, prev = [], [], "anchor_ids"
+    for k in range(config.block_size):
+        step = b.branch(f"step{k}/")
+        logits_k = step.op("Gather", "base_logits", step.const(k, I64), axis=1)  # [R, Vd]
+        if config.has_markov:
+            bias = step.op("MatMul", step.op("Gather", "markov_w1", prev, axis=0), w2_t)
+            logits_k = step.op("Add", logits_k, bias)
+        probs = emit_warp_probs(step, logits_k, "temperature", "top_k", "top_p")
+        sampled = emit_sample(step, probs, step.op("Gather", "uniforms", step.const(k, I64), axis=1))
+        prev = step.op("Where", is_greedy, emit_argmax(step, logits_k), sampled)
+        if config.has_d2t:
+            prev = step.op("Gather", "d2t", prev, axis=0)
+        b.absorb(step)
         ids.append(unsqueeze_last(b, prev))
         logits.append(b.op("Unsqueeze", logits_k, b.const([1], I64)))
-    b.op_into("draft_ids", "Concat", *ids, axis=1)
-    if config.has_d2t:
-        _emit_scatter(b, b.op("Concat", *logits, axis=1))
-    else:
-        b.op_into("draft_logits", "Concat", *logits, axis=1)
-    _emit_confidence(b, config, ids)
-    return _make_function(SCHEMA.op_type, SCHEMA.input_names, SCHEMA.output_names, b, SCHEMA.doc, config.overload)
+    return _concat(b, ids), _concat(b, logits)
+
+
+def _branch_graph(b: NodeBuilder, name: str, outputs: tuple[str, str]) -> onnx.GraphProto:
+    """An ``If`` branch returning (ids int64, logits float32), both values made inside the branch (no Identity)."""
+    infos = [helper.make_tensor_value_info(v, t, None) for v, t in zip(outputs, (TensorProto.INT64, TensorProto.FLOAT))]
+    return helper.make_graph(b.nodes, name, [], infos)
+
+
+def _concat(b: NodeBuilder, parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else b.op("Concat", *parts, axis=1)
 
 
 def make_node(inputs: Sequence[str], outputs: Sequence[str], name: str, **config) -> onnx.NodeProto:
@@ -118,15 +160,20 @@ def _emit_scatter(b: NodeBuilder, logits: str) -> None:
     b.op_into("draft_logits", "ScatterElements", fill, index, logits, axis=2)
 
 
-def _emit_confidence(b: NodeBuilder, config: MarkovDraftConfig, ids: list[str]) -> None:
-    """confidence [R, γ] float32 from hidden, W1 of the previous tokens, w, b and the per-slot temperature."""
+def _emit_confidence(b: NodeBuilder, config: MarkovDraftConfig, anchor: str) -> None:
+    """confidence [R, γ] float32 from hidden, W1 of the previous tokens ([anchor, x_0..x_{γ-2}]), w, b and the
+    per-slot temperature."""
     if not config.has_confidence:
         b.op_into("confidence", "ConstantOfShape", b.op("Shape", "uniforms"),
                   value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]))
         return
     features = "hidden"
     if config.has_markov:
-        prev_ids = b.op("Concat", unsqueeze_last(b, "anchor_ids"), *ids[:-1], axis=1)  # [R, γ]
+        prev_ids = anchor
+        if config.block_size > 1:
+            head = b.op("Slice", "draft_ids", b.const([0], I64), b.const([config.block_size - 1], I64),
+                        b.const([1], I64))
+            prev_ids = b.op("Concat", anchor, head, axis=1)  # [R, γ]
         features = b.op("Concat", "hidden", b.op("Gather", "markov_w1", prev_ids, axis=0), axis=-1)
     logit = b.op("Add", b.op("MatMul", features, "confidence_weight"), "confidence_bias")
     b.op_into("confidence", "Sigmoid", b.op("Div", logit, "confidence_temperature"))
