@@ -83,6 +83,11 @@ def _profile(model, feed: dict, runs: int) -> dict:
             "top_nodes_ms": {k: round(v, 3) for k, v in top.most_common(12)}}
 
 
+def _quartiles(x: np.ndarray) -> list[float]:
+    """[q25, median, q75] of per-round ratios, rounded."""
+    return [round(float(np.percentile(x, q)), 3) for q in (25, 50, 75)]
+
+
 def _block_feed(spec, R: int, P: int, rng) -> dict:
     feed = {"anchor_ids": rng.integers(0, spec.vocab_size, R), "start_positions": np.full(R, P),
             "context_lens": np.full(R, P), "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int64),
@@ -125,7 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="float32,int8,int4", help="drafter layer formats")
     p.add_argument("--forms", default="auto",
                    help="block forms, comma-separated: auto (what build exports: fused exactly when the layers are "
-                        "quantized), plain, fused (exporter.drafter.build_block_graph's `fused`)")
+                        "quantized), plain, fused, contrib (exporter.drafter.build_block_graph's `fused`)")
     p.add_argument("--requests", default="1,4,16")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rounds", type=int, default=15)
@@ -172,7 +177,7 @@ def main(argv=None) -> int:
     for size in args.sizes.split(","):
         d2t = None if size == "full" else select_d2t(ranking, int(size), vocab)
         for fmt, form in ((f, form) for f in args.formats.split(",") for form in args.forms.split(",")):
-            fused = {"auto": None, "plain": False, "fused": True}[form]
+            fused = {"auto": None, "plain": False, "fused": True, "contrib": "contrib"}[form]
             with torch.no_grad():
                 model = build_block_graph(drafter, inputs.rope, embed, "int8", d2t, fmt, fused=fused)
             spec = _spec(drafter, "int8", 0 if d2t is None else len(d2t), fmt)
@@ -216,6 +221,20 @@ def main(argv=None) -> int:
         for t, ms in targets.items():
             row[f"R1_share_of_{t}"] = round(row["R1_ms"] / ms, 3)
         rows.append(row)
+    # Paired per round (same load): each drafter time over the first --block-graph's, and over each target's.
+    paired = {}
+    base = f"block:{args.block_graph[0].split('=', 1)[0]}" if args.block_graph else None
+    for key, v in times.items():
+        if key.startswith("target:"):
+            continue
+        label, R = key.rsplit(":R=", 1)
+        v = np.array(v)
+        entry = {}
+        for t in targets:
+            entry[f"share_of_{t}"] = _quartiles(v / np.array(times[f"target:{t}:R=1"]))
+        if base and label != base:
+            entry["over_" + base.split(":", 1)[1]] = _quartiles(v / np.array(times[f"{base}:R={R}"]))
+        paired[key] = entry
     profiles = {}
     for label, model in models.items() if args.profile else ():
         profiles[label] = _profile(model, sessions[label][1][requests[0]], args.profile)
@@ -223,13 +242,15 @@ def main(argv=None) -> int:
     result = {"command": " ".join(sys.argv), "context": args.context, "threads": args.threads, "clock": args.clock,
               "profile_R": requests[0] if args.profile else None, "profiles": profiles,
               "rounds": args.rounds,
-              "reps": args.reps, "targets_B1_ms": targets, "stats": stats, "rows": rows,
+              "reps": args.reps, "targets_B1_ms": targets, "stats": stats, "rows": rows, "paired": paired,
               "note": "machine shared with other jobs during the run; ratios in one interleaved run"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for row in rows:
         print(json.dumps(row))
     print(json.dumps({"targets_B1_ms": targets}))
+    for key, entry in paired.items():
+        print(json.dumps({key: entry}))
     return 0
 
 

@@ -35,8 +35,9 @@ The block is [anchor, mask × (γ-1)] at positions start..start+γ-1; it attends
 itself and to all context entries (paper §3.1; DeepSpec spec §1.3-1.4). It ends in one
 `dspark::MarkovDraft` node (plugins/markov_draft); with a draft vocabulary d2t (and a Markov head) the
 node runs over the N draft rows (LM head and W2 rows at d2t) and scatters draft_logits back to V itself.
-With quantized layers the block's layers are built in the fused form of the target graph
-(`_fused_block_layers`: ONNX Runtime contrib ops); the float32 block stays standard ONNX (TensorRT).
+With quantized layers the block's layers are built in a fused form (`_fused_block_layers`: merged
+projections, shared masks, FusedMatMul; bitwise the same outputs); the float32 block stays standard ONNX
+(the TensorRT lowering).
 """
 
 from __future__ import annotations
@@ -362,15 +363,18 @@ def _block_layer(b, sd, c, i: int, h: str, ctx: dict) -> str:
 
 
 # -- the fused block layers ------------------------------------------------------------------------
-# The moves of the fused target graph (exporter/target.py `_build_fused`) on the drafter block: the residual
-# stream is [1, R·γ, H] (ONNX Runtime's contrib ops want a batch axis), RMSNorm + residual add is one
-# SkipSimplifiedLayerNormalization, RoPE one RotaryEmbedding per q and k over a [max_position + γ, D/2] table,
-# q/k/v one projection + Split, gate/up one + Split, SiLU one QuickGelu (alpha 1), the context mask and the
-# split sizes are computed once for every layer, and the 1/√D scale rides on FusedMatMul's alpha. γ is static,
-# so the attention reshapes use constant shapes (no Shape/Concat per layer). Same math as `_block_layer`: the
-# merged projections hold the same columns (MatMulNBits quantizes each column's blocks alone, so the quantized
-# weights are the same too), a masked score is s + (−1e30) instead of Where(mask, s, −1e30) (both −1e30 in
-# float32), and the rest differs by float rounding (the norms' sums, RoPE's cos/sin table, the scale's place).
+# The moves of the fused target graph (exporter/target.py `_build_fused`) that keep the block's outputs bitwise:
+# the residual stream is [1, R·γ, H], q/k/v one projection + Split and gate/up one + Split (the merged weight
+# holds the same columns, and MatMulNBits quantizes each column's blocks and each input row alone, so the
+# products are the same bits), the context mask is computed once for every layer as an additive bias
+# (s + 0 = s, s + (−1e30) = −1e30 in float32: what Where gave), the 1/√D scale rides on FusedMatMul's alpha
+# and SiLU is QuickGelu (ONNX Runtime fuses the plain graph into both anyway), and γ is static, so the
+# attention reshapes use constant shapes (no Shape/Concat per layer). RoPE and the norms stay the plain
+# subgraphs (ONNX Runtime fuses the norms into SimplifiedLayerNormalization): SkipSimplifiedLayerNormalization
+# and RotaryEmbedding over a float64-built table (`fused="contrib"`) move values by float rounding, and the
+# int8 activations of MatMulNBits and of the int8 LM head turn some of those into a quantization step (on the
+# shipped drafter: greedy draft logits up to 0.22 apart, 4 % of sampled drafts different; see
+# reports/drafter/draft-vocab.md), so the default form does not use them.
 
 def _fused_attention_context(b: GraphBuilder, c) -> dict:
     """What every layer's attention shares: the context mask as an additive bias [R, 1, 1, P] (0 where
@@ -407,17 +411,32 @@ def _fused_block_attention(b: GraphBuilder, c, i: int, q: str, k: str, v: str, a
     return b.op("Reshape", [out, b.const([1, -1, nh * d])], name)
 
 
-def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tuple[np.ndarray, float]) -> str:
+def _norm_residual(b: GraphBuilder, h: str, delta: str, weight: str, eps: float, name: str, exact: bool):
+    """(rms_norm(h + delta) · w, h + delta): one SkipSimplifiedLayerNormalization, or with `exact` the plain
+    Add + `rms_norm` (which ONNX Runtime fuses into SimplifiedLayerNormalization, as in `_block_layer`)."""
+    from .target import _skip_rms_norm
+
+    if not exact:
+        return _skip_rms_norm(b, h, delta, weight, eps, name)
+    total = b.op("Add", [h, delta], f"{name}/residual")
+    return rms_norm(b, total, weight, eps, name), total
+
+
+def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tuple[np.ndarray, float],
+                        exact: bool = True) -> str:
     """Every drafter layer and the final norm over the block rows h [1, R·γ, H] (positions pos [1, R·γ]) in the
-    fused form (see the comment above) -> the post-final-norm rows [R·γ, H]."""
-    from .target import _head_norm, _rope_tables, _skip_rms_norm
+    fused form (see the comment above) -> the post-final-norm rows [R·γ, H]. `exact` = False uses
+    SkipSimplifiedLayerNormalization and RotaryEmbedding (over [max_position + γ, D/2] tables: a block reaches
+    γ - 1 past its last context position)."""
+    from .target import _head_norm, _rope_tables
 
     b.opsets[MS_DOMAIN] = 1
     nh, nkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-    # + γ rows: a block starts at the last context position and reaches γ - 1 past it. Named apart from the
-    # target's tables (a different row count), so `save_model(share_from=target)` never mixes them up.
-    cos, sin = _rope_tables(*rope, c.max_position_embeddings + c.block_size)
-    cos, sin = b.weight("drafter_block.rope.cos_cache", cos), b.weight("drafter_block.rope.sin_cache", sin)
+    if exact:
+        cos, sin = rope_cos_sin(b, b.op("Reshape", [pos, b.const([-1])], "rope"), *rope)
+    else:  # named apart from the target's tables (another row count): `save_model(share_from=...)` keeps both
+        cos, sin = _rope_tables(*rope, c.max_position_embeddings + c.block_size)
+        cos, sin = b.weight("drafter_block.rope.cos_cache", cos), b.weight("drafter_block.rope.sin_cache", sin)
     actx = _fused_attention_context(b, c)
     delta = None
     for i in range(c.num_hidden_layers):
@@ -426,7 +445,7 @@ def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tu
         if delta is None:
             x = rms_norm(b, h, w_in, eps, f"{name}/input_layernorm")
         else:
-            x, h = _skip_rms_norm(b, h, delta, w_in, eps, f"{name}/input_layernorm")
+            x, h = _norm_residual(b, h, delta, w_in, eps, f"{name}/input_layernorm", exact)
         biases = [sd.get(f"{a}.{t}_proj.bias") for t in "qkv"]
         if any(x_ is not None for x_ in biases) and not all(x_ is not None for x_ in biases):
             raise ConfigError(f"drafter {a}: expected a bias on all of q/k/v_proj or none")
@@ -439,13 +458,19 @@ def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tu
             q = _head_norm(b, q, sd, f"{a}.q_norm.weight", nh, d, eps, f"{name}/attn/q_norm")
         if f"{a}.k_norm.weight" in sd:
             k = _head_norm(b, k, sd, f"{a}.k_norm.weight", nkv, d, eps, f"{name}/attn/k_norm")
-        q = b.op("RotaryEmbedding", [q, pos, cos, sin], f"{name}/attn/q_rope", domain=MS_DOMAIN)
-        k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
+        if exact:  # [R·γ, heads, D]: the attention's reshapes read the same element order
+            q = apply_rope(b, b.op("Reshape", [q, b.const([-1, nh, d])], f"{name}/attn/q_proj"), cos, sin, d,
+                           f"{name}/attn/q_rope")
+            k = apply_rope(b, b.op("Reshape", [k, b.const([-1, nkv, d])], f"{name}/attn/k_proj"), cos, sin, d,
+                           f"{name}/attn/k_rope")
+        else:
+            q = b.op("RotaryEmbedding", [q, pos, cos, sin], f"{name}/attn/q_rope", domain=MS_DOMAIN)
+            k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
         attn = _fused_block_attention(b, c, i, q, k, v, actx, f"{name}/attn")
         attn = linear(b, attn, f"{a}.o_proj.weight", sd[f"{a}.o_proj.weight"], f"{name}/attn/o_proj",
                       sd.get(f"{a}.o_proj.bias"), f"{a}.o_proj.bias")
         w_post = b.weight(f"{p}.post_attention_layernorm.weight", sd[f"{p}.post_attention_layernorm.weight"])
-        x, h = _skip_rms_norm(b, h, attn, w_post, eps, f"{name}/post_attention_layernorm")
+        x, h = _norm_residual(b, h, attn, w_post, eps, f"{name}/post_attention_layernorm", exact)
         inter = sd[f"{m}.gate_proj.weight"].shape[0]
         gu = linear(b, x, f"{m}.gate_up_proj.weight",
                     np.concatenate([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]]), f"{name}/mlp/gate_up_proj")
@@ -453,7 +478,7 @@ def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tu
         act = b.op("QuickGelu", [gate], f"{name}/mlp/act", domain=MS_DOMAIN, alpha=1.0)
         delta = linear(b, b.op("Mul", [act, up], f"{name}/mlp"), f"{m}.down_proj.weight", sd[f"{m}.down_proj.weight"],
                        f"{name}/mlp/down_proj")
-    normed, _ = _skip_rms_norm(b, h, delta, b.weight("norm.weight", sd["norm.weight"]), eps, "norm")
+    normed, _ = _norm_residual(b, h, delta, b.weight("norm.weight", sd["norm.weight"]), eps, "norm", exact)
     return b.op("Reshape", [normed, b.const([-1, c.hidden_size])], "norm")
 
 
@@ -475,17 +500,20 @@ def _block_inputs(b: GraphBuilder, c, spec, batch_axis: bool = False) -> tuple[s
 
 def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.ndarray | None,
                       lm_head_dtype: str = "float32", d2t=None, layer_weights: str = "float32",
-                      fused: bool | None = None) -> onnx.ModelProto:
+                      fused: bool | str | None = None) -> onnx.ModelProto:
     """drafter_block.onnx: anchors + context cache -> drafts, draft logits, confidence.
 
     Args:
         d2t: the draft vocabulary [N] (target token ids; `check_d2t`), or None for the full vocabulary.
         layer_weights: the drafter layers' weight format (`quantize_drafter_layers`).
-        fused: build the layers in the fused form (`_fused_block_layers`: ONNX Runtime contrib ops, fewer
-            nodes). None = fused exactly when the layers are quantized (MatMulNBits already ties the graph to
-            ONNX Runtime), so the float32 block stays standard ONNX for the TensorRT lowering.
+        fused: the layers' form: False = `_block_layer`; True = `_fused_block_layers` (merged projections, shared
+            masks, FusedMatMul: bitwise the same outputs, fewer nodes); "contrib" = that plus
+            SkipSimplifiedLayerNormalization and RotaryEmbedding (fewer nodes still, outputs moved by rounding,
+            which MatMulNBits' int8 activations can turn into a quantization step). None = True exactly when
+            the layers are quantized (MatMulNBits already ties the graph to ONNX Runtime), so the float32
+            block stays standard ONNX for the TensorRT lowering.
     Raises:
-        ConfigError: `lm_head_dtype` is not one of `LM_HEAD_DTYPES`, a bad `d2t` or `layer_weights`.
+        ConfigError: `lm_head_dtype` is not one of `LM_HEAD_DTYPES`, a bad `d2t`, `layer_weights` or `fused`.
     """
     if lm_head_dtype not in LM_HEAD_DTYPES:
         raise ConfigError(f"drafter LM head dtype: expected one of {list(LM_HEAD_DTYPES)}, found {lm_head_dtype!r}")
@@ -495,6 +523,8 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     spec = _spec(drafter, lm_head_dtype, 0 if d2t is None else len(d2t), layer_weights)
     op_d2t = d2t if spec.markov_rank > 0 else None  # MarkovDraft over the draft vocabulary (needs W1 for V)
     sd = {k: v.detach().float().numpy() for k, v in drafter.state_dict().items()}
+    if fused not in (None, False, True, "contrib"):
+        raise ConfigError(f"drafter block form: fused expected None, False, True or 'contrib', found {fused!r}")
     if fused is None:
         fused = layer_weights != "float32"
     b = GraphBuilder("drafter_block")
@@ -502,7 +532,7 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     embed = b.weight(_embed_name(sd, "embed_tokens.weight", target_embed), sd["embed_tokens.weight"])
     h = b.op("Gather", [embed, ids], "embed_tokens", axis=0)
     if fused:
-        h = _fused_block_layers(b, sd, c, h, pos, rope)
+        h = _fused_block_layers(b, sd, c, h, pos, rope, exact=fused != "contrib")
     else:
         cos, sin = rope_cos_sin(b, pos, *rope)
         for i in range(c.num_hidden_layers):
