@@ -124,7 +124,7 @@ def breakdown(path: Path, context: int, threads: int, runs: int) -> dict:
 
 
 def _prompts(datasets_dir: Path, datasets: list[str], per_dataset: int) -> list[str]:
-    from dspark_export.bench.common import read_dataset
+    from dspark_export.datasets import read_dataset
 
     out = []
     for name in datasets:
