@@ -17,6 +17,8 @@
 #            llama.cpp's DFlash model (a 4-line source patch, applied to the vendored tree, built, reverted):
 #            then spec(asis) is the faithful network on llama.cpp's DSpark loop, and spec(qknorm1) is
 #            unchanged (its norm tensors exist, so it takes the unpatched code path).
+#   d2t      optional, after `convert` and `patch`: the drafter with a reduced draft vocabulary (D2T_SIZE,
+#            default 8192, llama.cpp's d2t path), then plain vs spec per prompt.
 # Reports: reports/peers/llamacpp-dspark.md. Needs: cmake, ninja, a C++17 compiler, `pip install sentencepiece`
 # (the converter imports it for Llama-family tokenizers even when no tokenizer.model exists).
 set -euo pipefail
@@ -180,9 +182,50 @@ EOF
     cp "$WORK/dflash.cpp.orig" "$f"
 }
 
+d2t() {
+    # reduced draft vocabulary through llama.cpp's d2t path: draft_vocab_size = D2T_SIZE, d2t from our
+    # draft_vocab.json ranking (training.draft_vocab.select_d2t, as the exporter does), stored as offsets
+    # (d2t[i] = target_id - i, which convert_hf_to_gguf.py turns back into ids), markov_w2 rows and an
+    # lm_head sliced to those ids (SmolLM2 ties lm_head to embed_tokens); markov_w1 stays full-vocabulary.
+    rm -rf "$WORK/drafter-d2t"
+    cp -r "$WORK/drafter" "$WORK/drafter-d2t"
+    PYTHONPATH="$REPO/src" python - "$WORK/drafter-d2t" "$TARGET_HF" "${D2T_SIZE:-8192}" <<'EOF'
+import json, sys
+import numpy as np, torch
+from safetensors.torch import load_file, save_file
+from dspark_export.training.draft_vocab import select_d2t
+folder, target, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cfg = json.load(open(f"{folder}/config.json"))
+tcfg = json.load(open(f"{target}/config.json"))
+ranking = np.asarray(json.load(open(f"{folder}/draft_vocab.json"))["ranking"], np.int64)
+ids = torch.from_numpy(select_d2t(ranking, size, cfg["vocab_size"]))
+tensors = load_file(f"{folder}/model.safetensors")
+tgt = load_file(f"{target}/model.safetensors")
+head = tgt["model.embed_tokens.weight"] if tcfg.get("tie_word_embeddings") else tgt["lm_head.weight"]
+tensors["markov_head.markov_w2.weight"] = tensors["markov_head.markov_w2.weight"][ids].contiguous()
+tensors["lm_head.weight"] = head[ids].to(torch.float16).contiguous()
+tensors["d2t"] = ids - torch.arange(size, dtype=torch.int64)
+save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+cfg["draft_vocab_size"] = size
+json.dump(cfg, open(f"{folder}/config.json", "w"), indent=2)
+EOF
+    PYTHONPATH="$LLSRC/gguf-py" python "$LLSRC/convert_hf_to_gguf.py" "$WORK/drafter-d2t" \
+        --target-model-dir "$TARGET_HF" --outfile "$WORK/draft-d2t-f16.gguf" --outtype f16 > "$WORK/convert-d2t.log" 2>&1
+    prompts
+    local logs=()
+    for rep in $(seq 1 "$REPS"); do
+        for p in "$WORK"/prompts/*.txt; do
+            local n; n=$(basename "$p" .txt)
+            plain "$p" "$WORK/d2t-$n-r$rep-plain.log"; logs+=("$WORK/d2t-$n-r$rep-plain.log")
+            spec "$WORK/draft-d2t-f16.gguf" "$p" "$WORK/d2t-$n-r$rep-d2t.log"; logs+=("$WORK/d2t-$n-r$rep-d2t.log")
+        done
+    done
+    summary "${logs[@]}"
+}
+
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        convert|build|run|patch) "$stage" ;;
-        *) echo "unknown stage '$stage': expected convert, build, run or patch" >&2; exit 2 ;;
+        convert|build|run|patch|d2t) "$stage" ;;
+        *) echo "unknown stage '$stage': expected convert, build, run, patch or d2t" >&2; exit 2 ;;
     esac
 done
