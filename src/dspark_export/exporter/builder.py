@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+MS_DOMAIN = "com.microsoft"  #: ONNX Runtime's contrib-op domain
+
 OPSET = 21
 
 _DTYPES = {
@@ -298,3 +300,29 @@ def two_part_attention(b: GraphBuilder, q: str, k: str, v: str, past_k: str, pas
     out = b.op("Reshape", [out, b.op("Concat", [r_dim, b.const([nkv, g, -1, d])], name, axis=0)], name)
     out = b.op("Transpose", [out], name, perm=[0, 3, 1, 2, 4])
     return b.op("Reshape", [out, b.op("Concat", [r_dim, q_dim, b.const([nh * d])], name, axis=0)], name)
+
+
+# -- contrib-op building blocks shared by the fused target and drafter graphs --------------------------
+
+def skip_rms_norm(b: GraphBuilder, h: str, delta: str, weight: str, eps: float, name: str) -> tuple[str, str]:
+    """(rms_norm(h + delta) · w, h + delta) in one SkipSimplifiedLayerNormalization node."""
+    node = f"/{b.name}/{name}/SkipSimplifiedLayerNormalization"
+    out, total = f"{node}/output_0", f"{node}/output_3"
+    b.nodes.append(onnx.helper.make_node("SkipSimplifiedLayerNormalization", [h, delta, weight],
+                                         [out, "", "", total], name=node, domain=MS_DOMAIN, epsilon=eps))
+    return out, total
+
+
+def rope_tables(inv_freq: np.ndarray, scaling: float, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_pos, D/2] float32 of angle pos·inv_freq (the product rounded to float32 as the
+    unfused graph computes it; cos/sin in float64, then rounded), times the attention scaling."""
+    angle = np.arange(max_pos, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    angle = angle.astype(np.float64)
+    return ((np.cos(angle) * scaling).astype(np.float32), (np.sin(angle) * scaling).astype(np.float32))
+
+
+def head_norm(b: "GraphBuilder", y: str, sd: dict, key: str, heads: int, d: int, eps: float, name: str) -> str:
+    """Qwen3's per-head RMSNorm of y [1,N,heads·D]."""
+    y = b.op("Reshape", [y, b.const([1, -1, heads, d])], name)
+    y = rms_norm(b, y, b.weight(key, sd[key]), eps, name)
+    return b.op("Reshape", [y, b.const([1, -1, heads * d])], name)

@@ -52,8 +52,8 @@ import torch
 from ..errors import ConfigError
 from ..plugins.markov_draft import onnx_function as markov_fn
 from ..plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB as _OUTSIDE_DRAFT_VOCAB
-from .builder import (NEG_INF, GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
-                      swiglu_mlp, two_part_attention)
+from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
+                      save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
 from .quantize import MS_DOMAIN
 
 __all__ = ["DrafterGraphSpec", "build_drafter_graphs", "export_drafter", "check_d2t", "draft_vocab_head",
@@ -414,10 +414,8 @@ def _fused_block_attention(b: GraphBuilder, c, i: int, q: str, k: str, v: str, a
 def _norm_residual(b: GraphBuilder, h: str, delta: str, weight: str, eps: float, name: str, exact: bool):
     """(rms_norm(h + delta) · w, h + delta): one SkipSimplifiedLayerNormalization, or with `exact` the plain
     Add + `rms_norm` (which ONNX Runtime fuses into SimplifiedLayerNormalization, as in `_block_layer`)."""
-    from .target import _skip_rms_norm
-
     if not exact:
-        return _skip_rms_norm(b, h, delta, weight, eps, name)
+        return skip_rms_norm(b, h, delta, weight, eps, name)
     total = b.op("Add", [h, delta], f"{name}/residual")
     return rms_norm(b, total, weight, eps, name), total
 
@@ -428,14 +426,12 @@ def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tu
     fused form (see the comment above) -> the post-final-norm rows [R·γ, H]. `exact` = False uses
     SkipSimplifiedLayerNormalization and RotaryEmbedding (over [max_position + γ, D/2] tables: a block reaches
     γ - 1 past its last context position)."""
-    from .target import _head_norm, _rope_tables
-
     b.opsets[MS_DOMAIN] = 1
     nh, nkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
     if exact:
         cos, sin = rope_cos_sin(b, b.op("Reshape", [pos, b.const([-1])], "rope"), *rope)
     else:  # named apart from the target's tables (another row count): `save_model(share_from=...)` keeps both
-        cos, sin = _rope_tables(*rope, c.max_position_embeddings + c.block_size)
+        cos, sin = rope_tables(*rope, c.max_position_embeddings + c.block_size)
         cos, sin = b.weight("drafter_block.rope.cos_cache", cos), b.weight("drafter_block.rope.sin_cache", sin)
     actx = _fused_attention_context(b, c)
     delta = None
@@ -455,9 +451,9 @@ def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tu
         q, k, v = b.op("Split", [qkv, b.const([nh * d, nkv * d, nkv * d])], f"{name}/attn/qkv_split",
                        num_outputs=3, axis=-1)
         if f"{a}.q_norm.weight" in sd:
-            q = _head_norm(b, q, sd, f"{a}.q_norm.weight", nh, d, eps, f"{name}/attn/q_norm")
+            q = head_norm(b, q, sd, f"{a}.q_norm.weight", nh, d, eps, f"{name}/attn/q_norm")
         if f"{a}.k_norm.weight" in sd:
-            k = _head_norm(b, k, sd, f"{a}.k_norm.weight", nkv, d, eps, f"{name}/attn/k_norm")
+            k = head_norm(b, k, sd, f"{a}.k_norm.weight", nkv, d, eps, f"{name}/attn/k_norm")
         if exact:  # [R·γ, heads, D]: the attention's reshapes read the same element order
             q = apply_rope(b, b.op("Reshape", [q, b.const([-1, nh, d])], f"{name}/attn/q_proj"), cos, sin, d,
                            f"{name}/attn/q_rope")

@@ -30,11 +30,11 @@ import numpy as np
 import onnx
 
 from ..errors import ConfigError
+from .builder import MS_DOMAIN
 
 __all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "quantize_blocks", "dequantize_blocks",
            "matmul_nbits", "gather_block_quantized", "share_quantized_embedding", "VIEW_DOC", "MS_DOMAIN"]
 
-MS_DOMAIN = "com.microsoft"
 
 #: weight formats `build --weights` accepts: name -> bits (None = float32, no quantization)
 WEIGHT_FORMATS = {"int4": 4, "int8": 8, "fp32": None}

@@ -36,8 +36,8 @@ import onnx
 import torch
 
 from ..errors import ExportError
-from .builder import (NEG_INF, GraphBuilder, apply_rope, linear, rms_norm, rope_cos_sin, save_model,
-                      swiglu_mlp, two_part_attention)
+from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
+                      save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
 from .quantize import MS_DOMAIN, WeightFormat, gather_block_quantized, matmul_nbits
 
 __all__ = ["TargetGraphSpec", "build_target_graph", "export_target", "target_io_contract"]
@@ -235,28 +235,11 @@ def _to_output(b: GraphBuilder, op_type: str, inputs: list[str], output: str, di
     return output
 
 
-def _skip_rms_norm(b: GraphBuilder, h: str, delta: str, weight: str, eps: float, name: str) -> tuple[str, str]:
-    """(rms_norm(h + delta) · w, h + delta) in one SkipSimplifiedLayerNormalization node."""
-    node = f"/{b.name}/{name}/SkipSimplifiedLayerNormalization"
-    out, total = f"{node}/output_0", f"{node}/output_3"
-    b.nodes.append(onnx.helper.make_node("SkipSimplifiedLayerNormalization", [h, delta, weight],
-                                         [out, "", "", total], name=node, domain=MS_DOMAIN, epsilon=eps))
-    return out, total
-
-
 def _project(b, x: str, fmt: WeightFormat, weight_name: str, weight: np.ndarray, name: str,
              bias: np.ndarray | None = None, bias_name: str | None = None) -> str:
     if fmt.quantized:
         return matmul_nbits(b, x, weight_name, weight, fmt, name, bias, bias_name)
     return linear(b, x, weight_name, weight, name, bias, bias_name)
-
-
-def _rope_tables(inv_freq: np.ndarray, scaling: float, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_pos, D/2] float32 of angle pos·inv_freq (the product rounded to float32 as the
-    unfused graph computes it; cos/sin in float64, then rounded), times the attention scaling."""
-    angle = np.arange(max_pos, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
-    angle = angle.astype(np.float64)
-    return ((np.cos(angle) * scaling).astype(np.float32), (np.sin(angle) * scaling).astype(np.float32))
 
 
 def _attention_context(b: GraphBuilder, spec: TargetGraphSpec) -> dict:
@@ -331,13 +314,6 @@ def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: 
     return b.op("Gather", [out, actx["unpad"]], f"{name}/unpad", axis=0)            # [1,N,nH·D]
 
 
-def _head_norm(b, y: str, sd: dict, key: str, heads: int, d: int, eps: float, name: str) -> str:
-    """Qwen3's per-head RMSNorm of y [1,N,heads·D]."""
-    y = b.op("Reshape", [y, b.const([1, -1, heads, d])], name)
-    y = rms_norm(b, y, b.weight(key, sd[key]), eps, name)
-    return b.op("Reshape", [y, b.const([1, -1, heads * d])], name)
-
-
 def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: float,
                  fmt: WeightFormat) -> onnx.ModelProto:
     """The fused target graph (see the comment above `_to_output`), weights in `fmt`."""
@@ -351,7 +327,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         h = b.op("Gather", [b.weight(embed_key, sd[embed_key]), ids], "embed_tokens", axis=0)
     pos = b.op("Unsqueeze", ["position_ids", b.const([0])], "rope")
     inv_freq, scaling = _rope(model)
-    cos, sin = _rope_tables(inv_freq, scaling, spec.max_position_embeddings)
+    cos, sin = rope_tables(inv_freq, scaling, spec.max_position_embeddings)
     cos, sin = b.weight("rope.cos_cache", cos), b.weight("rope.sin_cache", sin)
     actx = _attention_context(b, spec)
     taps, delta = [], None
@@ -361,7 +337,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         if delta is None:
             x = rms_norm(b, h, w_in, eps, f"{name}/input_layernorm")
         else:
-            x, h = _skip_rms_norm(b, h, delta, w_in, eps, f"{name}/input_layernorm")
+            x, h = skip_rms_norm(b, h, delta, w_in, eps, f"{name}/input_layernorm")
             if i - 1 in spec.tap_layer_ids:
                 taps.append(h)
         a = f"{p}.self_attn"
@@ -374,8 +350,8 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         q, k, v = b.op("Split", [qkv, b.const([nh * d, nkv * d, nkv * d])], f"{name}/attn/qkv_split",
                        num_outputs=3, axis=-1)
         if f"{a}.q_norm.weight" in sd:
-            q = _head_norm(b, q, sd, f"{a}.q_norm.weight", nh, d, eps, f"{name}/attn/q_norm")
-            k = _head_norm(b, k, sd, f"{a}.k_norm.weight", nkv, d, eps, f"{name}/attn/k_norm")
+            q = head_norm(b, q, sd, f"{a}.q_norm.weight", nh, d, eps, f"{name}/attn/q_norm")
+            k = head_norm(b, k, sd, f"{a}.k_norm.weight", nkv, d, eps, f"{name}/attn/k_norm")
         q = b.op("RotaryEmbedding", [q, pos, cos, sin], f"{name}/attn/q_rope", domain=MS_DOMAIN)
         k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
         _to_output(b, "Reshape", [k, b.const([-1, nkv, d])], f"new_key.{i}", ["N", nkv, d], f"{name}/new_key")
@@ -385,7 +361,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         attn = _project(b, attn, fmt, f"{o_key}.weight", sd[f"{o_key}.weight"], f"{name}/attn/o_proj",
                         sd.get(f"{o_key}.bias"), f"{o_key}.bias")
         w_post = b.weight(f"{p}.post_attention_layernorm.weight", sd[f"{p}.post_attention_layernorm.weight"])
-        x, h = _skip_rms_norm(b, h, attn, w_post, eps, f"{name}/post_attention_layernorm")
+        x, h = skip_rms_norm(b, h, attn, w_post, eps, f"{name}/post_attention_layernorm")
         m = f"{p}.mlp"
         inter = sd[f"{m}.gate_proj.weight"].shape[0]
         w_gu = np.concatenate([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]], axis=0)
@@ -396,7 +372,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
                          sd[f"{m}.down_proj.weight"], f"{name}/mlp/down_proj")
     rows = lambda t: b.op("Gather", [t, "logit_rows"], "logit_rows", axis=1)  # noqa: E731  [1,M,H]
     w_norm = b.weight("model.norm.weight", sd["model.norm.weight"])
-    normed, _ = _skip_rms_norm(b, rows(h), rows(delta), w_norm, eps, "norm")
+    normed, _ = skip_rms_norm(b, rows(h), rows(delta), w_norm, eps, "norm")
     normed = b.op("Reshape", [normed, b.const([-1, hid])], "norm")
     tied = "lm_head.weight" not in sd or np.array_equal(sd["lm_head.weight"], sd[embed_key])
     head_key = embed_key if tied else "lm_head.weight"
