@@ -22,7 +22,9 @@
 #              one passed test: when pytest exits 0 with every test skipped (e.g. a TensorRT older than
 #              10.9), the stage is FAILED with the first skip reason
 #   trt-dir    (TensorRT importable, $DSPARK_ENGINE_DIR set, time left) `dspark-export trt build` and
-#              `trt compare` on that engine directory (a copy of it, in OUT_DIR)
+#              `trt compare` on that engine directory (a copy of it, in OUT_DIR); it must be a float32 build
+#              (`dspark-export build --weights fp32 --drafter-weights float32`), the int4 default has no
+#              TensorRT import
 #
 # Exit status: 0 every stage that ran passed (and a GPU was present); 1 a stage failed or timed out;
 # 2 no NVIDIA GPU (only env ran).
