@@ -133,6 +133,7 @@ def _prompts(datasets_dir: Path, datasets: list[str], per_dataset: int) -> list[
 
 
 def decode(dirs: dict[str, Path], prompts: list[str], max_new: int, repeats: int, threads: int) -> dict:
+    from dspark_export.bench.peers import first_divergence
     from dspark_export.runtime.api import Runtime
     from dspark_export.runtime.request import SamplingParams
 
@@ -163,10 +164,7 @@ def decode(dirs: dict[str, Path], prompts: list[str], max_new: int, repeats: int
     for name in dirs:
         per_prompt = [len(a) / ta / (len(b) / tb) for a, ta, b, tb in
                       zip(tokens[name], walls[name], tokens[ref], walls[ref])]
-        div = []
-        for a, b in zip(tokens[ref], tokens[name]):
-            n = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-            div.append(n if n is not None or len(a) == len(b) else min(len(a), len(b)))
+        div = [first_divergence(b, a) for a, b in zip(tokens[ref], tokens[name])]
         out[name] = {"tokens_per_s": round(float(np.median(per_repeat[name])), 2),
                      "per_repeat": [round(x, 2) for x in per_repeat[name]],
                      "ratio_to_first": [round(x / y, 3) for x, y in zip(per_repeat[name], per_repeat[ref])],

@@ -144,6 +144,13 @@ TINY_BUILD = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2
                   profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
 
 
+@pytest.fixture(scope="session")
+def tiny_engine_dir(build_tiny_engine_dir):
+    """The tiny Llama built with `TINY_BUILD` (fp32, untrained drafter), once per session for every test that
+    only reads it (tests that alter an engine directory copy it first)."""
+    return build_tiny_engine_dir("engines", **TINY_BUILD)
+
+
 # Bucket list of the real-model build: the default's without 256 (no real-model test packs more than 128
 # tokens in one target pass), and 3 timed profile runs instead of 10, to keep the build near a minute on 2 cores.
 REAL_BUILD_ARGS = ("--profile-repeats", "3", "--target-buckets", "1,2,4,8,16,32,64,128")

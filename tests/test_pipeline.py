@@ -22,8 +22,8 @@ from tests.conftest import TINY_BUILD as BUCKETS
 
 
 @pytest.fixture(scope="module")
-def engine_dir(build_tiny_engine_dir):
-    return build_tiny_engine_dir("engines", **BUCKETS)
+def engine_dir(tiny_engine_dir):
+    return tiny_engine_dir
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,12 @@ import httpx2 as httpx  # the HTTP client the openai package depends on
 import pytest
 
 
-from tests.conftest import TINY_BUILD as SERVE_BUCKETS
 API_KEY = "test-key-123"
 
 
 @pytest.fixture(scope="session")
-def serve_engine_dir(build_tiny_engine_dir):
-    return build_tiny_engine_dir("serve_engines", **SERVE_BUCKETS)
+def serve_engine_dir(tiny_engine_dir):
+    return tiny_engine_dir
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ concurrency, `scripts/train_drafter.py data --engine`); this module imports no e
 
 from __future__ import annotations
 
+import collections
+
 import json
 import random
 import re
@@ -270,16 +272,23 @@ def write_self_prompts(responder: Responder, split: dict, datasets_dir: str | Pa
         outs = responder.generate(prompts, [PROMPT_TEMPERATURE] * len(ks), seeds, max_new_tokens, top_p=PROMPT_TOP_P)
         rows = []
         for k, s, (ids, finish) in zip(ks, seeds, outs):
-            text = clean_generated_prompt(responder.tokenizer.decode(ids, skip_special_tokens=True))
-            rows.append({"row": k, "domain": domains[k % len(domains)], "seed": s, "text": text,
-                         "status": filt.check(text, finish)})
+            text, status = _written_prompt(responder, filt, ids, finish)
+            rows.append({"row": k, "domain": domains[k % len(domains)], "seed": s, "text": text, "status": status})
         _append_jsonl(out_path, rows)
         old += rows
         say(f"self-written prompts: {len(old)}/{count}, {sum(r['status'] == 'ok' for r in old)} kept")
-    stats: dict[str, int] = {}
-    for r in old:
-        stats[r["status"]] = stats.get(r["status"], 0) + 1
-    return stats
+    return _status_counts(old)
+
+
+def _written_prompt(responder: "Responder", filt, ids, finish) -> tuple[str, str]:
+    """(text, filter status) of one prompt the target wrote: decoded, cleaned, checked."""
+    text = clean_generated_prompt(responder.tokenizer.decode(ids, skip_special_tokens=True))
+    return text, filt.check(text, finish)
+
+
+def _status_counts(rows: list[dict]) -> dict[str, int]:
+    """{status: rows with it}, in first-seen order."""
+    return dict(collections.Counter(r["status"] for r in rows))
 
 
 def answer_self_prompts(responder: Responder, prompts_path: str | Path, out_path: str | Path, **kw) -> int:
@@ -360,17 +369,13 @@ def write_follow_ups(responder: Responder, split: dict, datasets_dir: str | Path
                 rows.append({"dataset": rec["dataset"], "row": rec["row"], "seed": s, "text": "",
                              "status": "long_context"})
                 continue
-            ids, finish = next(outs)
-            text = clean_generated_prompt(responder.tokenizer.decode(ids, skip_special_tokens=True))
+            text, status = _written_prompt(responder, filt, *next(outs))
             rows.append({"dataset": rec["dataset"], "row": rec["row"], "seed": s, "text": text,
-                         "status": filt.check(text, finish), "user": user, "assistant": answer})
+                         "status": status, "user": user, "assistant": answer})
         _append_jsonl(out_path, rows)
         old += rows
         say(f"follow-ups: {len(old)} written, {sum(r['status'] == 'ok' for r in old)} kept")
-    stats: dict[str, int] = {}
-    for r in old:
-        stats[r["status"]] = stats.get(r["status"], 0) + 1
-    return stats
+    return _status_counts(old)
 
 
 def answer_follow_ups(responder: Responder, follow_ups_path: str | Path, out_path: str | Path, **kw) -> int:
