@@ -19,13 +19,14 @@ TINY_DIMS = dict(
 )
 
 
-def make_tiny_target(model_type: str, seed: int = 0):
-    """A tiny random transformers causal LM (fp32, eval mode) of the given ``model_type``."""
+def make_tiny_target(model_type: str, seed: int = 0, **dims):
+    """A tiny random transformers causal LM (fp32, eval mode) of the given ``model_type``; `dims` override
+    TINY_DIMS."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     extra = {"rope_theta": 10000.0}
-    config = AutoConfig.for_model(model_type, **TINY_DIMS, tie_word_embeddings=False, **extra)
+    config = AutoConfig.for_model(model_type, **{**TINY_DIMS, **dims}, tie_word_embeddings=False, **extra)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is small; widen the weights so logits have real spread (near-ties are rare).

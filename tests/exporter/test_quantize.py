@@ -20,10 +20,10 @@ TAPS = (1, 2)
 QUANT = ("int4", "int8")
 
 
-def _session(proto) -> ort.InferenceSession:
+def _session(proto, threads: int = 2) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.intra_op_num_threads = 2
+    so.intra_op_num_threads = threads
     return ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -216,25 +216,45 @@ def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
         assert np.abs(out["new_key.3"][0] - alone["new_key.3"][0]).max() <= 1e-5
 
 
+# (start, block capacity, decode capacity, block threads, decode threads, batch mate's past length in the block
+# run / decode runs): the second layout has more than 256 keys (MLAS splits long GEMM reductions by thread
+# layout), different capacities and thread counts per run, and a batch mate whose context sets a longer key axis
+LAYOUTS = {"short": (13, 40, 40, 2, 2, 4, 4), "long-other-capacity-threads": (300, 320, 640, 2, 1, 4, 500)}
+
+
+@pytest.fixture(scope="module")
+def tiny_mha():
+    """One query head per key/value head (G = 1), D = 64: a decode pass's head group is a single GEMM row."""
+    from tests.conftest import make_tiny_target
+
+    return make_tiny_target("llama", seed=3, num_key_value_heads=4, head_dim=64)
+
+
 @pytest.mark.parametrize("weights", QUANT)
-def test_verification_rows_equal_decode_rows_bitwise(tiny_llama, weights):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_mha"])
+def test_verification_rows_equal_decode_rows_bitwise(request, model, weights, layout):
     """One verification block of q tokens gives, row for row, the very logits, features and K/V that q one-token
-    decode passes give over the same cache (each writing its key/value before the next): the past/new split of
-    the keys differs between the two, and only exact attention sums make the rows bitwise equal. Without this,
-    MatMulNBits' int8 activation rows turn float-rounding differences into quantization steps and greedy
-    speculative output leaves `ar`'s."""
-    proto, spec = build_target_graph(tiny_llama, TAPS, weights)
-    sess = _session(proto)
+    decode passes give over the same cache (each writing its key/value before the next), whatever the cache
+    capacity and thread count of either run: the keys split differently between cache and pass, and only
+    exact attention sums make the rows bitwise equal. Without this, MatMulNBits' int8 activation rows turn
+    float-rounding differences into quantization steps and greedy speculative output leaves `ar`'s."""
+    start, block_capacity, decode_capacity, block_threads, decode_threads, mate_block, mate_decode = LAYOUTS[layout]
+    proto, spec = build_target_graph(request.getfixturevalue(model), TAPS, weights)
     rng = np.random.default_rng(5)
-    capacity, start, q = 40, 13, 7
-    past = _past(spec, 2, capacity, seed=1)
+    q = 7
+    full = _past(spec, 2, max(block_capacity, decode_capacity), seed=1)
+    past = lambda cap: [(np.ascontiguousarray(k[:, :, :cap]), np.ascontiguousarray(v[:, :, :cap]))  # noqa: E731
+                        for k, v in full]
     tokens = rng.integers(0, spec.vocab_size, q)
-    other = Segment(1, rng.integers(0, spec.vocab_size, 3), 4)    # a batch mate in both runs
-    block = _run(sess, _feed(spec, [Segment(0, tokens, start), other], 2, [start, 4], 16, past))
-    decode = [dict(k=k.copy(), v=v.copy()) for k, v in past]
-    cache = [(d["k"], d["v"]) for d in decode]
+    mate = rng.integers(0, spec.vocab_size, 3)    # a batch mate in both runs: 3 rows beside the block, 1 beside
+    block = _run(_session(proto, block_threads),  # a decode row (so a G = 1 decode pass has one-row head groups)
+                 _feed(spec, [Segment(0, tokens, start), Segment(1, mate, mate_block)], 2, [start, mate_block], 16,
+                       past(block_capacity)))
+    sess, cache = _session(proto, decode_threads), past(decode_capacity)
     for j in range(q):
-        out = _run(sess, _feed(spec, [Segment(0, tokens[j:j + 1], start + j), other], 2, [start + j, 4], 8, cache))
+        segments = [Segment(0, tokens[j:j + 1], start + j), Segment(1, mate[:1], mate_decode)]
+        out = _run(sess, _feed(spec, segments, 2, [start + j, mate_decode], 2, cache))
         for name in ("logits", "aux_hidden"):
             np.testing.assert_array_equal(out[name][0], block[name][j], err_msg=f"{name} row {j}")
         for layer, (k, v) in enumerate(cache):

@@ -40,7 +40,7 @@ __all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "quantize_blocks
 WEIGHT_FORMATS = {"int4": 4, "int8": 8, "fp32": None}
 
 #: the embedded default's format: int4, the fastest end to end (reports/quant/quant.md). Lossless because the
-#: quantized graph's attention takes its sums over keys in float64 (target.py, `_fused_attention`): a row's
+#: quantized graph's attention sums over keys in one fixed order (target.py, `_exact_attention`): a row's
 #: logits are bitwise the same in a decode pass and in a verification block (tests/exporter/test_quantize.py).
 DEFAULT_WEIGHTS = "int4"
 

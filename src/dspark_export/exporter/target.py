@@ -222,9 +222,9 @@ def export_target(model, tap_layer_ids, path: Path, weights: str = "fp32") -> tu
 # q and k over a [max_position_embeddings, D/2] table, q/k/v one projection + Split, gate/up one + Split,
 # SiLU one QuickGelu (alpha 1), the attention's masks, shapes and split sizes are computed once for every
 # layer, the 1/√D scale rides on FusedMatMul's alpha, and outputs are written by their last node (no
-# Identity). Attention stays the two-part ragged softmax of `builder.two_part_attention` (per-request
-# past lengths; ONNX Runtime's GroupQueryAttention/MultiHeadAttention take neither a packed ragged batch
-# with per-request past lengths nor a cache read in place).
+# Identity). Attention is the two-part ragged softmax of `builder.two_part_attention`, or with quantized
+# weights `_exact_attention` (per-request past lengths; ONNX Runtime's GroupQueryAttention/MultiHeadAttention
+# take neither a packed ragged batch with per-request past lengths nor a cache read in place).
 
 def _to_output(b: GraphBuilder, op_type: str, inputs: list[str], output: str, dims: list, name: str,
                domain: str = "", **attrs) -> str:
@@ -242,8 +242,12 @@ def _project(b, x: str, fmt: WeightFormat, weight_name: str, weight: np.ndarray,
     return linear(b, x, weight_name, weight, name, bias, bias_name)
 
 
-def _attention_context(b: GraphBuilder, spec: TargetGraphSpec) -> dict:
-    """Masks and shapes every layer's attention shares (computed once per pass)."""
+KEY_CHUNK = 128   #: keys per partial P·V product of the exact attention (see `_exact_attention`)
+
+
+def _attention_context(b: GraphBuilder, spec: TargetGraphSpec, exact: bool = False) -> dict:
+    """Masks, shapes and indices every layer's attention shares (computed once per pass); with `exact`, also
+    the canonical key layout of `_exact_attention`."""
     nkv, g, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
     n = "attn_shared"
     rq = b.op("Shape", ["pad_index"], n)                                       # [R, Q]
@@ -251,36 +255,58 @@ def _attention_context(b: GraphBuilder, spec: TargetGraphSpec) -> dict:
     q_dim = b.op("Slice", [rq, b.const([1]), b.const([2])], n)
     p_dim = b.op("Slice", [b.op("Shape", ["past_key.0"], n), b.const([2]), b.const([3])], n)
     zero, neg = b.const(0.0, "float32"), b.const(NEG_INF, "float32")
-    p_idx = b.op("Range", [b.const(0), b.op("Squeeze", [p_dim, b.const([0])], n), b.const(1)], n)
     lens = b.op("Reshape", ["cache_lens", b.const([-1, 1, 1, 1])], n)
-    past_bias = b.op("Where", [b.op("Less", [p_idx, lens], n), zero, neg], n)    # [R,1,1,P]
     q_scalar = b.op("Squeeze", [q_dim, b.const([0])], n)
     rows = b.op("Range", [b.const(0), b.op("Mul", [q_scalar, b.const(g)], n), b.const(1)], n)
     i = b.op("Unsqueeze", [b.op("Mod", [rows, q_scalar], n), b.const([1])], n)  # [G·Q, 1] query offset
     j = b.op("Range", [b.const(0), q_scalar, b.const(1)], n)                     # [Q]
-    causal_bias = b.op("Where", [b.op("LessOrEqual", [j, i], n), zero, neg], n)  # [G·Q, Q]
-    return {
+    ctx = {
         "q5": b.op("Concat", [rq, b.const([nkv, g, d])], n, axis=0),             # [R,Q,kvH,G,D]
         "kv4": b.op("Concat", [rq, b.const([nkv, d])], n, axis=0),               # [R,Q,kvH,D]
         "qg": b.op("Concat", [r_dim, b.const([nkv, -1, d])], n, axis=0),         # [R,kvH,G·Q,D]
-        "split": b.op("Concat", [p_dim, q_dim], n, axis=0),                      # [P, Q]
-        "past_bias": past_bias, "causal_bias": causal_bias,
         "unpad": b.op("Unsqueeze", [_unpad_index(b), b.const([0])], n),         # [1, N]
     }
+    if not exact:
+        p_idx = b.op("Range", [b.const(0), b.op("Squeeze", [p_dim, b.const([0])], n), b.const(1)], n)
+        ctx["split"] = b.op("Concat", [p_dim, q_dim], n, axis=0)                 # [P, Q]
+        ctx["past_bias"] = b.op("Where", [b.op("Less", [p_idx, lens], n), zero, neg], n)     # [R,1,1,P]
+        ctx["causal_bias"] = b.op("Where", [b.op("LessOrEqual", [j, i], n), zero, neg], n)  # [G·Q, Q]
+        return ctx
+    # canonical layout: L = ⌈(max_r cache_lens[r] + Q) / KEY_CHUNK⌉ · KEY_CHUNK key entries, new key j of request r
+    # at cache_lens[r] + j; the cache's first min(P, L) entries, padded or cropped to L by one Pad
+    chunk = b.const([KEY_CHUNK])
+    longest = b.op("ReduceMax", ["cache_lens", b.const([0])], n, keepdims=1)
+    l_dim = b.op("Mul", [b.op("Div", [b.op("Add", [b.op("Add", [longest, q_dim], n), b.const([KEY_CHUNK - 1])], n),
+                                      chunk], n), chunk], n)
+    extra = b.op("Sub", [l_dim, p_dim], n)                                      # L - P (negative: crop)
+    zeros3, zero1, nkv_dim = b.const([0, 0, 0]), b.const([0]), b.const([nkv])
+    slot = b.op("Add", [lens, j], n)                                            # [R,1,1,Q]
+    k_idx = b.op("Range", [b.const(0), b.op("Squeeze", [l_dim, b.const([0])], n), b.const(1)], n)   # [L]
+    r_idx = b.op("Range", [b.const(0), b.op("Squeeze", [r_dim, b.const([0])], n), b.const(1)], n)
+    h_idx = b.op("Range", [b.const(0), b.const(nkv), b.const(1)], n)
+    v_shape = b.op("Concat", [r_dim, nkv_dim, q_dim, b.const([1])], n, axis=0)  # [R,kvH,Q,1]
+    at = lambda t, shape: b.op("Expand", [b.op("Reshape", [t, b.const(shape)], n), v_shape], n)  # noqa: E731
+    gq = b.op("Mul", [q_dim, b.const([g])], n)
+    ctx.update({
+        "mask": b.op("Where", [b.op("LessOrEqual", [k_idx, b.op("Add", [lens, i], n)], n), zero, neg],
+                     n),                                                        # [R,1,G·Q,L]
+        "score_pads": b.op("Concat", [zeros3, zero1, zeros3, extra], n, axis=0),  # P -> L on axis 3
+        "value_pads": b.op("Concat", [zeros3, zero1, zero1, zero1, extra, zero1], n, axis=0),  # P -> L on axis 2
+        "score_slot": b.op("Expand", [slot, b.op("Concat", [r_dim, nkv_dim, gq, q_dim], n, axis=0)], n),
+        "value_slot": b.op("Concat", [at(r_idx, [-1, 1, 1, 1]), at(h_idx, [1, -1, 1, 1]),
+                                      at(slot, [0, 1, -1, 1])], n, axis=-1),      # [R,kvH,Q,3]
+        "prob_chunks": b.op("Concat", [r_dim, nkv_dim, gq, b.const([-1, KEY_CHUNK])], n, axis=0),
+        "value_chunks": b.op("Concat", [r_dim, nkv_dim, b.const([-1, KEY_CHUNK, d])], n, axis=0),
+        "ones": b.op("ConstantOfShape", [b.op("Concat", [b.const([1]), b.op("Div", [l_dim, chunk], n)], n, axis=0)],
+                     n, value=onnx.helper.make_tensor("value", onnx.TensorProto.FLOAT, [1], [1.0])),  # [1, L/CHUNK]
+    })
+    return ctx
 
 
 def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: str, layer: int, actx: dict,
-                     name: str, exact_sums: bool = False) -> str:
-    """Two-part ragged attention (`builder.two_part_attention`) of q [1,N,nH·D], k, v [1,N,kvH·D] -> [1,N,nH·D].
-
-    `exact_sums` (quantized graphs): a query row's output must not depend on how its keys are split between
-    the cache and this pass (a decode row has one new key, a verification row several), because MatMulNBits
-    quantizes its input rows to int8 and turns any rounding difference into a quantization step. The scores
-    and exp(s - max) are computed element by element (the same bits wherever a key sits); the two sums over
-    keys, Σ e_j and Σ e_j·v_j, are taken in float64 (the products of float32 values are exact there), so the
-    order of the terms moves the result by ~2^-45 relative, below float32's 2^-24 step: after the one cast to
-    float32 the bits agree unless a value falls that close to a rounding boundary. out = (Σ e_j v_j) / Σ e_j.
-    """
+                     name: str) -> str:
+    """Ragged attention of q [1,N,nH·D], k, v [1,N,kvH·D] -> [1,N,nH·D]: the two-part softmax of
+    `builder.two_part_attention`, or `_exact_attention` when the context was built with `exact`."""
     nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     g = nh // nkv
     pad = lambda t: b.op("Gather", [t, "pad_index"], name, axis=1)  # noqa: E731  [1,R,Q,·]
@@ -291,19 +317,11 @@ def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: 
     scale = float(d ** -0.5)
     s_past = b.op("FusedMatMul", [qg, f"past_key.{layer}"], name, domain=MS_DOMAIN, transB=1, alpha=scale)
     s_new = b.op("FusedMatMul", [qg, kp], name, domain=MS_DOMAIN, transB=1, alpha=scale)
-    s_past = b.op("Add", [s_past, actx["past_bias"]], name)
-    s_new = b.op("Add", [s_new, actx["causal_bias"]], name)
-    scores = b.op("Concat", [s_past, s_new], name, axis=-1)                        # [R,kvH,G·Q,P+Q]
-    if exact_sums:
-        f64 = lambda t: b.op("Cast", [t], name, to=onnx.TensorProto.DOUBLE)  # noqa: E731
-        peak = b.op("ReduceMax", [scores, b.const([-1])], name, keepdims=1)
-        e = f64(b.op("Exp", [b.op("Sub", [scores, peak], name)], name))
-        e_past, e_new = b.op("Split", [e, actx["split"]], name, num_outputs=2, axis=-1)
-        out = b.op("Add", [b.op("MatMul", [e_past, f64(f"past_value.{layer}")], name),
-                           b.op("MatMul", [e_new, f64(vp)], name)], name)
-        total = b.op("ReduceSum", [e, b.const([-1])], name, keepdims=1)
-        out = b.op("Cast", [b.op("Div", [out, total], name)], name, to=onnx.TensorProto.FLOAT)
+    if "mask" in actx:
+        out = _exact_attention(b, s_past, s_new, vp, f"past_value.{layer}", actx, d, name)
     else:
+        scores = b.op("Concat", [b.op("Add", [s_past, actx["past_bias"]], name),
+                                 b.op("Add", [s_new, actx["causal_bias"]], name)], name, axis=-1)  # [R,kvH,G·Q,P+Q]
         probs = b.op("Softmax", [scores], name, axis=-1)
         p_past, p_new = b.op("Split", [probs, actx["split"]], name, num_outputs=2, axis=-1)
         out = b.op("Add", [b.op("MatMul", [p_past, f"past_value.{layer}"], name), b.op("MatMul", [p_new, vp], name)],
@@ -312,6 +330,38 @@ def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: 
     out = b.op("Transpose", [out], name, perm=[0, 3, 1, 2, 4])                      # [R,Q,kvH,G,D]
     out = b.op("Reshape", [out, b.const([-1, nh * d])], name)
     return b.op("Gather", [out, actx["unpad"]], f"{name}/unpad", axis=0)            # [1,N,nH·D]
+
+
+def _exact_attention(b: GraphBuilder, s_past: str, s_new: str, v_new: str, past_value: str, actx: dict,
+                     d: int, name: str) -> str:
+    """Softmax(scores)·V with every sum over keys taken in one fixed order per row: the same bits for a row
+    whether its keys sit in the cache (a one-token decode pass) or in this pass (a verification block), with
+    any cache capacity P, batch-mates or thread count.
+
+    Why: MatMulNBits (accuracy_level 4) quantizes its input rows to int8, so a float-rounding difference
+    between a decode row and the same row in a block becomes a quantization step and greedy speculative output
+    leaves `ar`'s. How: keys are laid out by cache index over L = ⌈(max_r cache_lens[r] + Q)/KEY_CHUNK⌉·KEY_CHUNK
+    entries (the cache cropped or zero-padded to L, the new scores and values scattered to cache_lens[r] + j;
+    masked entries weigh exactly 0, so trailing entries add +0, and attention reads the live context, not the
+    capacity); ONNX Runtime's Softmax reduces a row the same way for any such length; P·V runs as one GEMM per
+    KEY_CHUNK keys (MLAS never splits a K of 128, so each output is one FMA chain in key order) and the chunks
+    are summed by a second GEMM (ones · partials, again one chain). Both GEMMs use alpha ≠ 1, which keeps MLAS
+    off its M = 1 kernel (a different summation order) when a head group has one query row; the powers of two
+    cancel exactly.
+    Shapes: s_past [R,kvH,G·Q,P], s_new [R,kvH,G·Q,Q] (scaled scores), v_new [R,kvH,Q,D] -> [R,kvH,G·Q,D].
+    """
+    scores = b.op("Pad", [s_past, actx["score_pads"]], name)                          # [R,kvH,G·Q,L]
+    scores = b.op("ScatterElements", [scores, actx["score_slot"], s_new], name, axis=-1)
+    probs = b.op("Softmax", [b.op("Add", [scores, actx["mask"]], name)], name, axis=-1)
+    values = b.op("Pad", [past_value, actx["value_pads"]], name)                      # [R,kvH,L,D]
+    values = b.op("ScatterND", [values, actx["value_slot"], v_new], name)
+    probs = b.op("Transpose", [b.op("Reshape", [probs, actx["prob_chunks"]], name)], name,
+                 perm=[0, 1, 3, 2, 4])                                                  # [R,kvH,C,G·Q,KEY_CHUNK]
+    values = b.op("Reshape", [values, actx["value_chunks"]], name)                     # [R,kvH,C,KEY_CHUNK,D]
+    partial = b.op("FusedMatMul", [probs, values], name, domain=MS_DOMAIN, alpha=0.5)  # [R,kvH,C,G·Q,D]
+    partial = b.op("Reshape", [partial, b.const([0, 0, 0, -1])], name)                 # [R,kvH,C,G·Q·D]
+    out = b.op("FusedMatMul", [actx["ones"], partial], name, domain=MS_DOMAIN, alpha=2.0)  # [R,kvH,1,G·Q·D]
+    return b.op("Reshape", [out, b.const([0, 0, -1, d])], name)
 
 
 def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: float,
@@ -329,7 +379,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
     inv_freq, scaling = _rope(model)
     cos, sin = rope_tables(inv_freq, scaling, spec.max_position_embeddings)
     cos, sin = b.weight("rope.cos_cache", cos), b.weight("rope.sin_cache", sin)
-    actx = _attention_context(b, spec)
+    actx = _attention_context(b, spec, exact=fmt.quantized)
     taps, delta = [], None
     for i in range(spec.num_layers):
         p, name = f"model.layers.{i}", f"layers.{i}"
@@ -356,7 +406,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
         _to_output(b, "Reshape", [k, b.const([-1, nkv, d])], f"new_key.{i}", ["N", nkv, d], f"{name}/new_key")
         _to_output(b, "Reshape", [v, b.const([-1, nkv, d])], f"new_value.{i}", ["N", nkv, d], f"{name}/new_value")
-        attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn", exact_sums=fmt.quantized)
+        attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn")
         o_key = f"{a}.o_proj"
         attn = _project(b, attn, fmt, f"{o_key}.weight", sd[f"{o_key}.weight"], f"{name}/attn/o_proj",
                         sd.get(f"{o_key}.bias"), f"{o_key}.bias")
