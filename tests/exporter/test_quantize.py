@@ -286,6 +286,25 @@ def _generate(rt, policy, prompts=PROMPTS, max_new=24):
     return rt.generate_ids(prompts, [SamplingParams(max_new_tokens=max_new) for _ in prompts])
 
 
+def test_profile_records_the_attended_keys(quant_engine_dir, float_engine_dir):
+    """The layout each bucket was timed at records the key entries the pass attends: the KV capacity for fp32,
+    the live context rounded up to KEY_CHUNK for the quantized graphs' exact attention (`attended_keys`)."""
+    import json
+
+    from dspark_export.engines.packing import KEY_CHUNK, attended_keys
+
+    assert attended_keys("fp32", 256, 100, 8) == 256
+    assert [attended_keys("int4", 256, n, 8) for n in (0, 120, 121, 300)] == [128, 128, 256, 384]
+    weights, engine_dir = quant_engine_dir
+    for folder, exact in ((engine_dir, True), (float_engine_dir, False)):
+        sps = json.loads((folder / "profile" / "sps.json").read_text())
+        ctx = sps["context_len"]
+        for row in sps["target"]:
+            capacity = ctx + sps["block_size"] + 1
+            expected = -(-(ctx + row["Q"]) // KEY_CHUNK) * KEY_CHUNK if exact else capacity
+            assert row["P"] == expected, (folder.name, row)
+
+
 @pytest.mark.parametrize("policy", ["fixed:4", "fixed:1", "threshold:0.4", "dspark", "dspark-async"])
 def test_greedy_speculative_equals_ar_on_quantized_engines(quant_engine_dir, policy):
     from dspark_export.runtime.api import Runtime

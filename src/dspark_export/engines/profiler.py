@@ -32,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .engine_set import EngineSet
-from .packing import Segment, pack_segments
+from .packing import Segment, attended_keys, pack_segments
 
 __all__ = ["measure_profile", "measure_layout_cost", "fit_layout_cost", "time_runner", "engine_feed"]
 
@@ -93,10 +93,12 @@ def _layout_feed(spec: dict, sizes: list[int], num_slots: int, capacity: int, co
     return {**packed.feed, **_kv_feed(spec, num_slots, capacity, "past_key", "past_value")}
 
 
-def _layout_of(feed: dict) -> dict:
-    """{"S", "Q", "P"} of a target feed: slots, padded query width, KV capacity."""
+def _layout_of(feed: dict, spec: dict) -> dict:
+    """{"S", "Q", "P"} of a target feed: slots, padded query width, key entries attended per slot
+    (`exporter.target.attended_keys`: the KV capacity, or the live context with exact attention)."""
     s, q = feed["pad_index"].shape
-    return {"S": int(s), "Q": int(q), "P": int(feed["past_key.0"].shape[2])}
+    p = attended_keys(spec.get("weights", "fp32"), feed["past_key.0"].shape[2], feed["cache_lens"].max(), q)
+    return {"S": int(s), "Q": int(q), "P": p}
 
 
 def _block_feed(spec: dict, num: int, context_len: int, block: int) -> dict:
@@ -201,7 +203,7 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
                 progress(f"attention S={num} rows={sum(sizes)} (longest {max(sizes)}) P={cap}")
             feed = _layout_feed(spec, sizes, num, cap, cap - w, n)
             stats = time_runner(engines.runner_exact("target", n), feed, warmup, repeats, budget_ms)
-            rows.append({**_layout_of(feed), "N": n, "rows": sum(sizes), **stats})
+            rows.append({**_layout_of(feed, spec), "N": n, "rows": sum(sizes), **stats})
     if not rows:
         return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": []}
     fit, fitted = fit_layout_cost(rows)
@@ -261,7 +263,7 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
             progress(f"target B={b} ({eta.text(len(rows_t))})")
         feed = _target_feed(target, b, context_len, block)
         stats = time_runner(engines.runner_exact("target", b), feed, warmup, repeats, budget_ms)
-        rows_t.append({"B": b, **stats, "sps": round(1000.0 / stats["median_ms"], 3), **_layout_of(feed)})
+        rows_t.append({"B": b, **stats, "sps": round(1000.0 / stats["median_ms"], 3), **_layout_of(feed, target)})
     for r in engines.buckets("drafter_block"):
         if progress:
             progress(f"drafter R={r} ({eta.text(len(rows_t) + len(rows_d))})")

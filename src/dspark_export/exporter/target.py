@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 import torch
 
+from ..engines.packing import KEY_CHUNK
 from ..errors import ExportError
 from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
                       save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
@@ -240,9 +241,6 @@ def _project(b, x: str, fmt: WeightFormat, weight_name: str, weight: np.ndarray,
     if fmt.quantized:
         return matmul_nbits(b, x, weight_name, weight, fmt, name, bias, bias_name)
     return linear(b, x, weight_name, weight, name, bias, bias_name)
-
-
-KEY_CHUNK = 128   #: keys per partial P·V product of the exact attention (see `_exact_attention`)
 
 
 def _attention_context(b: GraphBuilder, spec: TargetGraphSpec, exact: bool = False) -> dict:

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..engines.engine_set import EngineSet
-from ..engines.packing import Segment
+from ..engines.packing import Segment, attended_keys
 from ..engines.sps import ThroughputProfile, profile_path, read_sps
 from ..errors import EngineDirError, ProfileError, RequestError
 from . import faults
@@ -90,6 +90,7 @@ class Generator:
         self.engines, self.policy = engines, policy
         self.detokenize, self.drafter = detokenize, drafter
         self.block_size = int(rt["block_size"])
+        self.target_weights = engines.manifest.data["graphs"]["target"]["spec"].get("weights", "fp32")
         if policy.name == "fixed" and policy.k > self.block_size:
             raise RequestError(f"policy {policy}: K={policy.k} exceeds this engine directory's block size "
                                f"{self.block_size} (drafts per block); use fixed:1..fixed:{self.block_size}")
@@ -326,11 +327,14 @@ class Generator:
         return conf
 
     def _step_profile(self) -> ThroughputProfile | None:
-        """The profile bound to this step's layout (slot count S, target KV capacity P), so the policies
-        price padded attention where the profile measured it (`ThroughputProfile.at`); cached per layout."""
+        """The profile bound to this step's layout (slot count S, key entries a verification pass attends
+        per slot P: `attended_keys`), so the policies price padded attention where the profile measured it
+        (`ThroughputProfile.at`); cached per layout."""
         if self.profile is None:
             return None
-        key = (self.num_slots, self.batch.target_kv.capacity)
+        kv = self.batch.target_kv
+        key = (self.num_slots, attended_keys(self.target_weights, kv.capacity, kv.lens.max(initial=0),
+                                             self.block_size + 1))
         if self._bound_profile is None or self._bound_profile[0] != key:
             self._bound_profile = (key, self.profile.at(*key))
         return self._bound_profile[1]
