@@ -1,6 +1,6 @@
-"""Where one `ar` generation's wall time goes: every engine call timed inside the runtime.
+"""Where one generation's wall time goes (policy `ar` by default): every engine call timed inside the runtime.
 
-Opens the engine directory with policy `ar`, warms up, then wraps each runner's ``infer`` to time it and
+Opens the engine directory with `--policy`, warms up, then wraps each runner's ``infer`` to time it and
 generates once. Prints the wall time and, per (graph, rows) key, the calls, total seconds and median ms;
 what is left is Python (packing, cache writes, checks). Single process: run it on a quiet machine.
 
@@ -24,13 +24,14 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--policy", default="ar", help="runtime policy (ar, fixed:k, dspark, dspark-async, ...)")
     args = p.parse_args(argv)
 
     from dspark_export.engines.ort.runner import OrtRunner
     from dspark_export.runtime.api import Runtime
     from dspark_export.runtime.request import SamplingParams
 
-    rt = Runtime.open(args.engine_dir, policy="ar", threads=args.threads)
+    rt = Runtime.open(args.engine_dir, policy=args.policy, threads=args.threads)
     ids = rt.encode(args.prompt, True)
     rt.generate_ids([ids], [SamplingParams(max_new_tokens=8)])
     calls: dict[tuple[str, int], list[float]] = {}

@@ -1,4 +1,4 @@
-"""Shared prepacked ONNX Runtime sessions for the target's and drafter block's larger buckets."""
+"""Shared prepacked ONNX Runtime sessions for every bucket of the target, the drafter block and the drafter context."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def test_larger_buckets_share_one_prepacked_session(engine_dir):
     packed = EngineSet.open(engine_dir, verify=False).activate_all()
     target = {b: packed.runner_exact("target", b).session for b in packed.buckets("target")}
     assert len({id(s) for s in target.values()}) == 1                   # one session for every B
-    blocks = {id(packed.runner_exact("drafter_block", r).session) for r in packed.buckets("drafter_block")}
-    assert len(blocks) == 1
+    for graph in ("drafter_block", "drafter_context"):
+        assert len({id(packed.runner_exact(graph, r).session) for r in packed.buckets(graph)}) == 1, graph
     verify = {id(packed.runner_exact("verify", r).session) for r in packed.buckets("verify")}
     assert len(verify) == len(packed.buckets("verify"))                  # small graphs stay per bucket
     plain = EngineSet.open(engine_dir, verify=False, prepack=False).activate_all()
@@ -38,7 +38,7 @@ def test_larger_buckets_share_one_prepacked_session(engine_dir):
         len(plain.buckets("target"))
 
 
-@pytest.mark.parametrize("graph, bucket", [("target", 8), ("target", 1), ("drafter_block", 4)])
+@pytest.mark.parametrize("graph, bucket", [("target", 8), ("target", 1), ("drafter_block", 4), ("drafter_context", 2)])
 def test_shared_session_outputs_equal_per_bucket_sessions(engine_dir, graph, bucket):
     packed = EngineSet.open(engine_dir, verify=False)
     plain = EngineSet.open(engine_dir, verify=False, prepack=False)

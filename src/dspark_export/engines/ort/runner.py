@@ -12,10 +12,12 @@ Prepacking (MLAS packs each constant MatMul weight into its GEMM layout once, at
 - Without it, every GEMM call with more than one row packs the weights again: all of the target's
   weights per target pass. One-row calls use GEMV and never pack. Prepacked multi-row passes ran
   about 2× faster on CPU (reports/measurement_history.md, "prepacked sessions").
-- So the graphs in `PACKED_GRAPHS` (every bucket of the target and the drafter block) run on ONE shared
-  session per graph (`SharedSession`), with prepacking on and no free-dimension override. Only one
-  packed copy per graph is paid for. `drafter_context` and `verify` keep per-bucket sessions with
-  prepacking off (+11 MB each).
+- So the graphs in `PACKED_GRAPHS` (every bucket of the target, the drafter block and the drafter context)
+  run on ONE shared session per graph (`SharedSession`), with prepacking on and no free-dimension override.
+  Only one packed copy per graph is paid for. `verify` (no weights) keeps per-bucket sessions with
+  prepacking off. Quantized weights need the packed session even for one row: MatMulNBits without its
+  packed weights dequantizes them on every call (an int4 drafter context pass: 7.2 ms unpacked, 0.33 ms
+  packed, in the loop).
 - `EngineSet(prepack=False)` / `Runtime.open(..., prepack=False)` returns to per-bucket sessions, with prepacking off
   everywhere, for memory-tight hosts.
 """
@@ -105,7 +107,7 @@ SINGLE_THREAD_GRAPHS = ("drafter_context", "verify")
 #: graph → smallest bucket served by the graph's shared prepacked session (see the module docstring).
 #: Every target bucket: even one-row passes ran faster on the packed weights (SmolLM2, quiet machine:
 #: B=1 36.1 ms on its own unpacked session vs B=2 26.5 ms on the shared packed one).
-PACKED_GRAPHS = {"target": 1, "drafter_block": 1}
+PACKED_GRAPHS = {"target": 1, "drafter_block": 1, "drafter_context": 1}
 
 
 def uses_shared_session(key: EngineKey, prepack: bool = True) -> bool:
