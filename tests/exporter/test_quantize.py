@@ -291,7 +291,7 @@ def test_profile_records_the_attended_keys(quant_engine_dir, float_engine_dir):
     the live context rounded up to KEY_CHUNK for the quantized graphs' exact attention (`attended_keys`)."""
     import json
 
-    from dspark_export.engines.packing import KEY_CHUNK, attended_keys
+    from dspark_export.exporter.quantize import KEY_CHUNK, attended_keys
 
     assert attended_keys("fp32", 256, 100, 8) == 256
     assert [attended_keys("int4", 256, n, 8) for n in (0, 120, 121, 300)] == [128, 128, 256, 384]

@@ -19,20 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["KEY_CHUNK", "Segment", "PackedBatch", "attended_keys", "pack_segments", "padded_width"]
-
-
-KEY_CHUNK = 128   #: keys per partial P·V product of the quantized target's exact attention
-                 #: (exporter/target.py, `_exact_attention`)
-
-
-def attended_keys(weights: str, capacity: int, longest: int, width: int) -> int:
-    """Key entries per slot one target pass attends over: the KV capacity P, or for the quantized graphs'
-    exact attention ⌈(longest past length + query width Q) / KEY_CHUNK⌉ · KEY_CHUNK (the `P` the profile's
-    layout cost is fitted and priced at)."""
-    if weights == "fp32":
-        return int(capacity)
-    return -(-(int(longest) + int(width)) // KEY_CHUNK) * KEY_CHUNK
+__all__ = ["Segment", "PackedBatch", "pack_segments", "padded_width"]
 
 
 @dataclass

@@ -32,7 +32,8 @@ import numpy as np
 import onnxruntime as ort
 
 from .engine_set import EngineSet
-from .packing import Segment, attended_keys, pack_segments
+from ..exporter.quantize import attended_keys
+from .packing import Segment, pack_segments
 
 __all__ = ["measure_profile", "measure_layout_cost", "fit_layout_cost", "time_runner", "engine_feed"]
 
@@ -95,7 +96,7 @@ def _layout_feed(spec: dict, sizes: list[int], num_slots: int, capacity: int, co
 
 def _layout_of(feed: dict, spec: dict) -> dict:
     """{"S", "Q", "P"} of a target feed: slots, padded query width, key entries attended per slot
-    (`exporter.target.attended_keys`: the KV capacity, or the live context with exact attention)."""
+    (`exporter.quantize.attended_keys`: the KV capacity, or the live context with exact attention)."""
     s, q = feed["pad_index"].shape
     p = attended_keys(spec.get("weights", "fp32"), feed["past_key.0"].shape[2], feed["cache_lens"].max(), q)
     return {"S": int(s), "Q": int(q), "P": p}

@@ -46,7 +46,7 @@ class ThroughputProfile:
 
     Layout cost (optional): the target graph pads every slot's query to the longest one and attends
     S × Q query rows over P key entries per slot, the KV buffer's capacity (the quantized graphs: the live
-    context, `engines.packing.attended_keys`) (docs/ARCHITECTURE.md, target.onnx), so a
+    context, `exporter.quantize.attended_keys`) (docs/ARCHITECTURE.md, target.onnx), so a
     step's latency depends on the slots S, the padded width Q and P, not on B alone. Where the profiler
     measured it (`attention_ms`, `kv_read_ms` and the layout (S_b, Q_b, P_b) each bucket was timed at),
     a profile bound to the runtime's layout with `at(S, P)` prices a step whose longest request

@@ -32,8 +32,9 @@ import onnx
 from ..errors import ConfigError
 from .builder import MS_DOMAIN
 
-__all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "quantize_blocks", "dequantize_blocks",
-           "matmul_nbits", "gather_block_quantized", "share_quantized_embedding", "VIEW_DOC", "MS_DOMAIN"]
+__all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "KEY_CHUNK", "attended_keys", "quantize_blocks",
+           "dequantize_blocks", "matmul_nbits", "gather_block_quantized", "share_quantized_embedding", "VIEW_DOC",
+           "MS_DOMAIN"]
 
 
 #: weight formats `build --weights` accepts: name -> bits (None = float32, no quantization)
@@ -43,6 +44,19 @@ WEIGHT_FORMATS = {"int4": 4, "int8": 8, "fp32": None}
 #: quantized graph's attention sums over keys in one fixed order (target.py, `_exact_attention`): a row's
 #: logits are bitwise the same in a decode pass and in a verification block (tests/exporter/test_quantize.py).
 DEFAULT_WEIGHTS = "int4"
+
+KEY_CHUNK = 128   #: keys per partial P·V product of the quantized target's exact attention
+                 #: (exporter/target.py, `_exact_attention`)
+
+
+def attended_keys(weights: str, capacity: int, longest: int, width: int) -> int:
+    """Key entries per slot one target pass attends over: the KV capacity P, or for the quantized graphs'
+    exact attention ⌈(longest past length + query width Q) / KEY_CHUNK⌉ · KEY_CHUNK (the `P` the profile's
+    layout cost is fitted and priced at)."""
+    if weights == "fp32":
+        return int(capacity)
+    return -(-(int(longest) + int(width)) // KEY_CHUNK) * KEY_CHUNK
+
 
 #: doc_string of an initializer that is a view of another one's bytes (`builder.save_model` points it there)
 VIEW_DOC = "dspark:view-of:"

@@ -35,11 +35,10 @@ import numpy as np
 import onnx
 import torch
 
-from ..engines.packing import KEY_CHUNK
 from ..errors import ExportError
 from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
                       save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
-from .quantize import MS_DOMAIN, WeightFormat, gather_block_quantized, matmul_nbits
+from .quantize import KEY_CHUNK, MS_DOMAIN, WeightFormat, gather_block_quantized, matmul_nbits
 
 __all__ = ["TargetGraphSpec", "build_target_graph", "export_target", "target_io_contract"]
 

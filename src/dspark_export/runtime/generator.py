@@ -32,9 +32,10 @@ from typing import Callable
 import numpy as np
 
 from ..engines.engine_set import EngineSet
-from ..engines.packing import Segment, attended_keys
+from ..engines.packing import Segment
 from ..engines.sps import ThroughputProfile, profile_path, read_sps
 from ..errors import EngineDirError, ProfileError, RequestError
+from ..exporter.quantize import attended_keys
 from . import faults
 from .batch import Batch, RequestState, finish
 from .policies import Policy
