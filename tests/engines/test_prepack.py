@@ -15,7 +15,7 @@ from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 
 
-BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16), request_buckets=(1, 2, 4), max_context=64,
+BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16, 64), request_buckets=(1, 2, 4), max_context=64,
                profile_context=16, profile_repeats=2, block_size=4, markov_rank=8)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19, 20, 21]]
 
@@ -47,6 +47,20 @@ def test_shared_session_outputs_equal_per_bucket_sessions(engine_dir, graph, buc
     b = plain.runner_exact(graph, bucket).infer(feed)
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_shared_sessions_pad_rows_to_the_step_not_the_bucket(engine_dir):
+    """A shared session runs any row count, so a feed pads to ROW_STEP rows within its bucket; per-bucket
+    sessions keep their fixed bucket (the greedy test below compares the two end to end)."""
+    from dspark_export.engines.ort.runner import ROW_STEP
+
+    packed = EngineSet.open(engine_dir, verify=False)
+    plain = EngineSet.open(engine_dir, verify=False, prepack=False)
+    top = packed.buckets("target")[-1]
+    assert top > ROW_STEP
+    assert packed.runner("target", ROW_STEP + 1).padded_rows(ROW_STEP + 1) == min(top, 2 * ROW_STEP)
+    assert packed.runner("target", 1).padded_rows(1) == 1
+    assert plain.runner("target", ROW_STEP + 1).padded_rows(ROW_STEP + 1) == plain.bucket_for("target", ROW_STEP + 1)
 
 
 def test_greedy_output_is_the_same_with_and_without_prepacking(engine_dir):

@@ -31,6 +31,10 @@ class EngineRunner:
     def __exit__(self, *exc):
         self.deactivate()
 
+    def padded_rows(self, rows: int) -> int:
+        """The rows a feed of `rows` real rows is padded to: the engine's bucket (its shapes are fixed)."""
+        return int(self.key.bucket)
+
     def input_metadata(self) -> dict[str, tuple[type, int]]:
         """{input name: (numpy dtype, rank)}."""
         return dict(self._meta)

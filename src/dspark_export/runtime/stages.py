@@ -127,7 +127,7 @@ class EngineStages:
         for a in range(0, len(aux), step):
             n = min(step, len(aux) - a)
             runner = self.engines.runner("drafter_context", n)
-            b = runner.key.bucket
+            b = runner.padded_rows(n)
             feed_aux = np.zeros((b, aux.shape[1]), np.float32)
             feed_aux[:n] = aux[a:a + n]
             feed_pos = np.zeros(b, np.int64)
@@ -221,15 +221,16 @@ class EngineStages:
         """One target pass: over every slot of the cache (slot None), or over `slot` alone (one segment; the
         pass sees that slot's cache trimmed to its valid entries, [1, kvH, P, D], and its rows are reported
         under `slot`)."""
-        runner = self.engines.runner("target", sum(len(seg.token_ids) for seg in segments))
+        rows = sum(len(seg.token_ids) for seg in segments)
+        runner = self.engines.runner("target", rows)
         kv = self.batch.target_kv
         if slot is None:
-            packed = pack_segments(segments, self.batch.num_slots, kv.lens, runner.key.bucket)
+            packed = pack_segments(segments, self.batch.num_slots, kv.lens, runner.padded_rows(rows))
             packed.engines = {seg.slot: str(runner.key.path) for seg in segments}
             return packed, self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value")})
         seg = segments[0]
         packed = pack_segments([Segment(0, seg.token_ids, seg.start_position, seg.logits)], 1,
-                               kv.lens[slot:slot + 1], runner.key.bucket)
+                               kv.lens[slot:slot + 1], runner.padded_rows(rows))
         out = self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", slot, trim=True)})
         return PackedBatch({}, {slot: packed.row_start[0]},
                            {slot: packed.logit_start[0]} if 0 in packed.logit_start else {},

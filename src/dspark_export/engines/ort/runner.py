@@ -101,6 +101,9 @@ class WeightStore:
         return sum(a.nbytes for a in self._arrays.values())
 
 
+#: row granularity of a feed on a shared session (`OrtRunner.padded_rows`)
+ROW_STEP = 16
+
 #: graphs small enough to run on the calling thread (no intra-op pool, nothing left spinning)
 SINGLE_THREAD_GRAPHS = ("drafter_context", "verify")
 
@@ -229,6 +232,15 @@ class OrtRunner(EngineRunner):
             self._meta = {i.name: (_NP[i.type], len(i.shape)) for i in self.session.get_inputs()}
             self._outputs = [o.name for o in self.session.get_outputs()]
         return self
+
+    def padded_rows(self, rows: int) -> int:
+        """On a shared session (no free-dimension override, any row count runs) the bucket's rows rounded
+        down to what `rows` needs, in steps of ROW_STEP: a 140-row prefill pass runs 144 rows, not 256.
+        Padding rows are inert (engines.packing), so real rows' outputs do not change; only the waste does
+        (int4 passes cost about linearly in rows there)."""
+        if self.shared is None:
+            return int(self.key.bucket)
+        return min(int(self.key.bucket), -(-max(int(rows), 1) // ROW_STEP) * ROW_STEP)
 
     def deactivate(self) -> None:
         if self.session is not None and self.shared is not None:
