@@ -320,7 +320,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine", help="engine directory: answer through the project's runtime (else transformers)")
     p.add_argument("--policy", default="dspark", help="runtime policy of --engine (greedy output equals ar's)")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight through the runtime")
+    p.add_argument("--concurrency", type=int, default=64,
+                   help="prompts handed to the runtime per call (it keeps its request slots busy by continuous "
+                        "batching; records are written per call)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = its choice)")
     p.add_argument("--self-prompts", type=int, default=0, help="meta-prompt requests for self-written prompts")
     p.add_argument("--multi-turn", type=int, default=0, help="answered records to continue with a second user turn")
