@@ -169,6 +169,9 @@ class RecordingRunner:
     def __init__(self, runner, log: list):
         self.runner, self.log, self.key = runner, log, runner.key
 
+    def padded_rows(self, rows):
+        return self.runner.padded_rows(rows)
+
     def infer(self, feed):
         snapshot = {k: np.array(v, copy=True) for k, v in feed.items()}
         out = self.runner.infer(feed)

@@ -31,6 +31,9 @@ class FaultyRunner:
     def __init__(self, runner, fault, counter):
         self.runner, self.key, self.fault, self.counter = runner, runner.key, fault, counter
 
+    def padded_rows(self, rows):
+        return self.runner.padded_rows(rows)
+
     def infer(self, feed):
         self.counter[0] += 1
         return self.fault(self.runner, feed, self.counter[0])
