@@ -30,7 +30,7 @@ from .engines.profiler import measure_profile
 from .engines.sps import SPS_PATH, encode_sps, write_sps
 from .errors import BuildError, ConfigError, ProfileError
 from .exporter.drafter import LAYER_WEIGHTS, export_drafter
-from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat
+from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat, check_exact_context
 from .exporter.target import export_target
 from .exporter.verify import export_verify
 
@@ -282,6 +282,7 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     seconds["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     weights = resolved_weights(cfg)
+    check_exact_context(weights, cfg.max_context, cfg.target_buckets[-1])
     say(f"exporting graphs (target weights {weights})")
     lm_head = resolve_drafter_lm_head(cfg.drafter_lm_head, inputs.drafter_source)
     d2t, vocab_info, layer_weights = _drafter_choices(cfg, inputs)

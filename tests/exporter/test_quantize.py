@@ -286,6 +286,17 @@ def _generate(rt, policy, prompts=PROMPTS, max_new=24):
     return rt.generate_ids(prompts, [SamplingParams(max_new_tokens=max_new) for _ in prompts])
 
 
+def test_builds_refuse_contexts_beyond_the_exact_attention():
+    """Past EXACT_MAX_KEYS keys the chunk sum is no longer one MLAS reduction: a quantized build with a longer
+    context is refused by name (what to pass instead); fp32 has no such limit."""
+    from dspark_export.exporter.quantize import EXACT_MAX_KEYS, check_exact_context
+
+    check_exact_context("int4", EXACT_MAX_KEYS - 256, 256)
+    check_exact_context("fp32", 2 * EXACT_MAX_KEYS, 256)
+    with pytest.raises(ConfigError, match=r"max_context: 16200 .* --max-context <= 16128 or --weights fp32"):
+        check_exact_context("int4", 16200, 256)
+
+
 def test_profile_records_the_attended_keys(quant_engine_dir, float_engine_dir):
     """The layout each bucket was timed at records the key entries the pass attends: the KV capacity for fp32,
     the live context rounded up to KEY_CHUNK for the quantized graphs' exact attention (`attended_keys`)."""

@@ -32,9 +32,9 @@ import onnx
 from ..errors import ConfigError
 from .builder import MS_DOMAIN
 
-__all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "KEY_CHUNK", "attended_keys", "quantize_blocks",
-           "dequantize_blocks", "matmul_nbits", "gather_block_quantized", "share_quantized_embedding", "VIEW_DOC",
-           "MS_DOMAIN"]
+__all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "KEY_CHUNK", "EXACT_MAX_KEYS", "attended_keys",
+           "check_exact_context", "quantize_blocks", "dequantize_blocks", "matmul_nbits", "gather_block_quantized",
+           "share_quantized_embedding", "VIEW_DOC", "MS_DOMAIN"]
 
 
 #: weight formats `build --weights` accepts: name -> bits (None = float32, no quantization)
@@ -47,6 +47,25 @@ DEFAULT_WEIGHTS = "int4"
 
 KEY_CHUNK = 128   #: keys per partial P·V product of the quantized target's exact attention
                  #: (exporter/target.py, `_exact_attention`)
+
+
+#: the most key entries the exact attention keeps exact: its second GEMM sums L / KEY_CHUNK chunk partials,
+#: and MLAS never splits a reduction of KEY_CHUNK terms (longer ones it splits where its thread layout says)
+EXACT_MAX_KEYS = KEY_CHUNK * KEY_CHUNK
+
+
+def check_exact_context(weights: str, max_context: int, largest_bucket: int) -> None:
+    """Refuse a quantized build whose passes could attend more than EXACT_MAX_KEYS keys (a past of up to
+    max_context - 1 entries plus a query of up to the largest bucket's rows).
+
+    Raises:
+        ConfigError: naming the limit and what to pass instead.
+    """
+    if weights != "fp32" and max_context + largest_bucket > EXACT_MAX_KEYS:
+        raise ConfigError(f"max_context: {max_context} tokens plus the largest target bucket {largest_bucket} exceed "
+                          f"the {EXACT_MAX_KEYS} keys the {weights} target's exact attention keeps exact (speculative "
+                          f"output would no longer equal ar's); pass --max-context <= "
+                          f"{EXACT_MAX_KEYS - largest_bucket} or --weights fp32")
 
 
 def attended_keys(weights: str, capacity: int, longest: int, width: int) -> int:

@@ -333,7 +333,8 @@ def _exact_attention(b: GraphBuilder, s_past: str, s_new: str, v_new: str, past_
                      d: int, name: str) -> str:
     """Softmax(scores)·V with every sum over keys taken in one fixed order per row: the same bits for a row
     whether its keys sit in the cache (a one-token decode pass) or in this pass (a verification block), with
-    any cache capacity P, batch-mates or thread count.
+    any cache capacity P, batch-mates or thread count, up to EXACT_MAX_KEYS = KEY_CHUNK² keys (builds refuse
+    longer quantized contexts: `quantize.check_exact_context`).
 
     Why: MatMulNBits (accuracy_level 4) quantizes its input rows to int8, so a float-rounding difference
     between a decode row and the same row in a block becomes a quantization step and greedy speculative output
@@ -342,7 +343,8 @@ def _exact_attention(b: GraphBuilder, s_past: str, s_new: str, v_new: str, past_
     masked entries weigh exactly 0, so trailing entries add +0, and attention reads the live context, not the
     capacity); ONNX Runtime's Softmax reduces a row the same way for any such length; P·V runs as one GEMM per
     KEY_CHUNK keys (MLAS never splits a K of 128, so each output is one FMA chain in key order) and the chunks
-    are summed by a second GEMM (ones · partials, again one chain). Both GEMMs use alpha ≠ 1, which keeps MLAS
+    are summed by a second GEMM (ones · partials, one chain while there are at most KEY_CHUNK chunks: beyond,
+    MLAS splits that sum where the thread layout says). Both GEMMs use alpha ≠ 1, which keeps MLAS
     off its M = 1 kernel (a different summation order) when a head group has one query row; the powers of two
     cancel exactly.
     Shapes: s_past [R,kvH,G·Q,P], s_new [R,kvH,G·Q,Q] (scaled scores), v_new [R,kvH,Q,D] -> [R,kvH,G·Q,D].
