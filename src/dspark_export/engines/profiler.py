@@ -31,8 +31,8 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from .engine_set import EngineSet
 from ..exporter.quantize import attended_keys
+from .engine_set import EngineSet
 from .packing import Segment, pack_segments
 
 __all__ = ["measure_profile", "measure_layout_cost", "fit_layout_cost", "time_runner", "engine_feed"]

@@ -234,13 +234,14 @@ class OrtRunner(EngineRunner):
         return self
 
     def padded_rows(self, rows: int) -> int:
-        """On a shared session (no free-dimension override, any row count runs) the bucket's rows rounded
-        down to what `rows` needs, in steps of ROW_STEP: a 140-row prefill pass runs 144 rows, not 256.
-        Padding rows are inert (engines.packing), so real rows' outputs do not change; only the waste does
-        (int4 passes cost about linearly in rows there)."""
+        """On a shared session (no free-dimension override: any row count runs), `rows` rounded up to a
+        multiple of ROW_STEP, at most the bucket: a 140-row prefill pass runs 144 rows, not 256. Padding rows
+        are inert (engines.packing), so real rows' outputs do not change; only the waste does (int4 passes
+        cost about linearly in rows there). A per-bucket session keeps its bucket."""
+        bucket = super().padded_rows(rows)
         if self.shared is None:
-            return int(self.key.bucket)
-        return min(int(self.key.bucket), -(-max(int(rows), 1) // ROW_STEP) * ROW_STEP)
+            return bucket
+        return min(bucket, -(-max(int(rows), 1) // ROW_STEP) * ROW_STEP)
 
     def deactivate(self) -> None:
         if self.session is not None and self.shared is not None:
