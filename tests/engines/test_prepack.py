@@ -58,9 +58,10 @@ def test_shared_sessions_pad_rows_to_the_step_not_the_bucket(engine_dir):
     plain = EngineSet.open(engine_dir, verify=False, prepack=False)
     top = packed.buckets("target")[-1]
     assert top > ROW_STEP
-    assert packed.runner("target", ROW_STEP + 1).padded_rows(ROW_STEP + 1) == min(top, 2 * ROW_STEP)
-    assert packed.runner("target", 1).padded_rows(1) == 1
-    assert plain.runner("target", ROW_STEP + 1).padded_rows(ROW_STEP + 1) == plain.bucket_for("target", ROW_STEP + 1)
+    assert packed.runner_exact("target", top).padded_rows(ROW_STEP + 1) == 2 * ROW_STEP
+    assert packed.runner_exact("target", top).padded_rows(top) == top
+    assert packed.runner_exact("target", 1).padded_rows(1) == 1
+    assert plain.runner_exact("target", top).padded_rows(ROW_STEP + 1) == top
 
 
 def test_greedy_output_is_the_same_with_and_without_prepacking(engine_dir):
