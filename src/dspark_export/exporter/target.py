@@ -315,7 +315,7 @@ def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: 
     s_past = b.op("FusedMatMul", [qg, f"past_key.{layer}"], name, domain=MS_DOMAIN, transB=1, alpha=scale)
     s_new = b.op("FusedMatMul", [qg, kp], name, domain=MS_DOMAIN, transB=1, alpha=scale)
     if "mask" in actx:
-        out = _exact_attention(b, s_past, s_new, vp, f"past_value.{layer}", actx, d, name)
+        out = _exact_attention(b, s_past, s_new, vp, f"past_value.{layer}", actx, name)
     else:
         scores = b.op("Concat", [b.op("Add", [s_past, actx["past_bias"]], name),
                                  b.op("Add", [s_new, actx["causal_bias"]], name)], name, axis=-1)  # [R,kvH,G·Q,P+Q]
@@ -330,7 +330,7 @@ def _fused_attention(b: GraphBuilder, spec: TargetGraphSpec, q: str, k: str, v: 
 
 
 def _exact_attention(b: GraphBuilder, s_past: str, s_new: str, v_new: str, past_value: str, actx: dict,
-                     d: int, name: str) -> str:
+                     name: str) -> str:
     """Softmax(scores)·V with every sum over keys taken in one fixed order per row: the same bits for a row
     whether its keys sit in the cache (a one-token decode pass) or in this pass (a verification block), with
     any cache capacity P, batch-mates or thread count, up to EXACT_MAX_KEYS = KEY_CHUNK² keys (builds refuse
@@ -347,7 +347,8 @@ def _exact_attention(b: GraphBuilder, s_past: str, s_new: str, v_new: str, past_
     MLAS splits that sum where the thread layout says). Both GEMMs use alpha ≠ 1, which keeps MLAS
     off its M = 1 kernel (a different summation order) when a head group has one query row; the powers of two
     cancel exactly.
-    Shapes: s_past [R,kvH,G·Q,P], s_new [R,kvH,G·Q,Q] (scaled scores), v_new [R,kvH,Q,D] -> [R,kvH,G·Q,D].
+    Shapes: s_past [R,kvH,G·Q,P], s_new [R,kvH,G·Q,Q] (scaled scores), v_new [R,kvH,Q,D] -> [R,kvH,1,G·Q·D]
+    (the [R,kvH,G·Q,D] values in that order; the caller's one Reshape takes either form).
     """
     scores = b.op("Pad", [s_past, actx["score_pads"]], name)                          # [R,kvH,G·Q,L]
     scores = b.op("ScatterElements", [scores, actx["score_slot"], s_new], name, axis=-1)
@@ -359,8 +360,7 @@ def _exact_attention(b: GraphBuilder, s_past: str, s_new: str, v_new: str, past_
     values = b.op("Reshape", [values, actx["value_chunks"]], name)                     # [R,kvH,C,KEY_CHUNK,D]
     partial = b.op("FusedMatMul", [probs, values], name, domain=MS_DOMAIN, alpha=0.5)  # [R,kvH,C,G·Q,D]
     partial = b.op("Reshape", [partial, b.const([0, 0, 0, -1])], name)                 # [R,kvH,C,G·Q·D]
-    out = b.op("FusedMatMul", [actx["ones"], partial], name, domain=MS_DOMAIN, alpha=2.0)  # [R,kvH,1,G·Q·D]
-    return b.op("Reshape", [out, b.const([0, 0, -1, d])], name)
+    return b.op("FusedMatMul", [actx["ones"], partial], name, domain=MS_DOMAIN, alpha=2.0)  # [R,kvH,1,G·Q·D]
 
 
 def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: float,
