@@ -8,7 +8,8 @@ Stages (each resumable; each reads the previous one's output):
                --concurrency, and the training data grows with prompts the target writes itself
                (--self-prompts K: <run>/data/self_prompts.jsonl) and multi-turn continuations (--multi-turn K:
                <run>/data/follow_ups.jsonl), both answered into train.jsonl (`training.selfdata`)
-    features   the target's tapped hidden states and final hidden per token: <run>/features/{train,calibration}
+    features   the target's tapped hidden states and final hidden per token: <run>/features/{train,calibration};
+               with --engine, from the engine directory's target graph (`engines.target_features`)
     train      a drafter (--variant dspark | dflash) over the draft vocabulary (--draft-vocab N | full):
                <run>/<name>/ (training_state.pt, metrics.jsonl, checkpoints.jsonl (offline τ per checkpoint on
                the calibration features), draft_vocab.json, drafter/ in DeepSpec layout, fp32, with its
@@ -23,7 +24,7 @@ Usage:
     python scripts/train_drafter.py data --run runs/smollm2 --limit 1400
     python scripts/train_drafter.py data --run runs/smollm2 --engine /tmp/eng/default --concurrency 16 \
         --limit 100000 --self-prompts 6000 --multi-turn 2000      # the whole split + self-written + turn 2
-    python scripts/train_drafter.py features --run runs/smollm2
+    python scripts/train_drafter.py features --run runs/smollm2 --engine /tmp/eng/default   # as the engines compute them
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500   # --draft-vocab 8192
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark-fullv --draft-vocab full --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 1500
@@ -136,16 +137,25 @@ def _data_with_runtime(args, split, folder: Path, out: Path, say):
 def cmd_features(args, say):
     import torch
 
+    from dspark_export.errors import ConfigError
     from dspark_export.modeling.config import default_target_layer_ids
     from dspark_export.training.data import read_records
     from dspark_export.training.features import build_feature_cache
 
-    _, target = _target(args)
-    taps = args.taps or default_target_layer_ids(target.config.num_hidden_layers)
+    if args.engine:
+        from dspark_export.engines.target_features import EngineFeatures
+
+        target = EngineFeatures(args.engine, threads=args.threads)
+        taps = target.target_layer_ids
+        if args.taps and list(args.taps) != taps:
+            raise ConfigError(f"--taps {list(args.taps)}: the engine's target graph taps {taps}")
+    else:
+        target = _target(args)[1].model
+        taps = args.taps or default_target_layer_ids(target.config.num_hidden_layers)
     for part in ("train", "calibration"):
         records = read_records(Path(args.run) / "data" / f"{part}.jsonl")
         say(f"{part}: {len(records)} records, taps {list(taps)}")
-        build_feature_cache(target.model, records, taps, Path(args.run) / "features" / part,
+        build_feature_cache(target, records, taps, Path(args.run) / "features" / part,
                             dtype=getattr(torch, args.dtype), progress=say)
 
 
@@ -328,7 +338,11 @@ def parse_args(argv=None):
     p.add_argument("--multi-turn", type=int, default=0, help="answered records to continue with a second user turn")
     p.add_argument("--max-turn-tokens", type=int, default=768, help="multi-turn prompts longer than this are skipped")
     p = sub.add_parser("features", parents=[common])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="compute dtype of the transformers target (without --engine)")
+    p.add_argument("--engine", help="engine directory: features from its target graph as the engines compute "
+                                    "them (the default build's int4), instead of the transformers target")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --engine")
     p = sub.add_parser("train", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--variant", default="dspark", choices=["dspark", "dflash"])

@@ -10,11 +10,16 @@ keeps, per token:
   full [T, V] distribution is recovered exactly from H numbers per token instead of V.
 
 plus ``tokens`` [T] int32 and the prompt length (tokens at ``>= prompt_len`` are assistant tokens).
+A feature source computes them: the transformers target (`TransformersFeatures`, bfloat16) or, injected by
+the caller, the engines' own target graph (`engines.target_features.EngineFeatures`: the features the
+drafter reads at inference, int4 on the default build). Its name is kept in meta.json and a cache grows
+only from the same source.
 
 Layout of a cache folder (written in parts so an interrupted run resumes at the first missing part):
 
     meta.json                        {"format": 1, "target_layer_ids", "hidden_size", "feature_size",
-                                      "dtype": "float16", "parts": [...], "complete": bool}
+                                      "dtype": "float16", "source", "parts": [...],
+                                      "complete": bool}
     part-00000/tokens.npy            int32 [N]   (N tokens of the part's sequences, concatenated)
     part-00000/aux.npy               float16 [N, F]
     part-00000/last.npy              float16 [N, H]
@@ -41,7 +46,7 @@ import torch
 from ..errors import ConfigError
 from ..progress import Eta
 
-__all__ = ["build_feature_cache", "FeatureCache", "Sequence_"]
+__all__ = ["build_feature_cache", "FeatureCache", "Sequence_", "TransformersFeatures"]
 
 FORMAT = 1
 
@@ -52,38 +57,71 @@ def _write_meta(folder: Path, meta: dict) -> None:
     os.replace(tmp, folder / "meta.json")
 
 
-@torch.no_grad()
-def build_feature_cache(target_model, records: Sequence[dict], target_layer_ids: Sequence[int], out_dir: str | Path,
+class TransformersFeatures:
+    """The feature source over a transformers causal LM: one forward pass per sequence in `dtype`.
+
+    Args:
+        target_model: the target (eval mode); moved to `dtype`.
+        target_layer_ids: tapped layers (0-based decoder layers, never the last).
+        dtype: compute dtype (bfloat16 is ~3x faster on CPUs with bf16 matmul; the paper's targets run in
+            bf16 too). Stored values are float16 either way.
+    """
+
+    def __init__(self, target_model, target_layer_ids: Sequence[int], dtype: torch.dtype = torch.bfloat16):
+        self.model = target_model.to(dtype)
+        self.target_layer_ids = [int(i) for i in target_layer_ids]
+        self.hidden_size = int(target_model.config.hidden_size)
+        self.name = f"transformers:{str(dtype).removeprefix('torch.')}"
+
+    @torch.no_grad()
+    def features(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+        """aux [T, F] and last [T, H] (`hidden_states[l + 1]` per tap, and the final-normed last one)."""
+        hs = self.model(input_ids=torch.as_tensor(np.asarray(tokens, np.int64))[None],
+                        output_hidden_states=True).hidden_states
+        return (torch.cat([hs[l + 1][0] for l in self.target_layer_ids], dim=-1).float().numpy(),
+                hs[-1][0].float().numpy())
+
+
+def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Sequence[int] | None, out_dir: str | Path,
                         *, part_size: int = 64, max_tokens: int = 1024, dtype: torch.dtype = torch.bfloat16,
                         progress: Callable[[str], None] | None = None) -> Path:
     """Run the target over each record and write the cache (resumable; see the module docstring).
 
     Args:
-        target_model: a transformers causal LM (the target), eval mode.
+        target: a transformers causal LM (the target, eval mode; run through `TransformersFeatures` at
+            `dtype` with `target_layer_ids`), or a feature source: an object with `features(tokens) ->
+            (aux [T, F], last [T, H])`, `target_layer_ids`, `hidden_size` and `name`, such as
+            `engines.target_features.EngineFeatures` (the engines' own features).
         records: response records (`training.data`): "prompt_ids", "response_ids", "dataset", "row".
-        target_layer_ids: tapped layers (0-based decoder layers, never the last).
+        target_layer_ids: tapped layers of a transformers target; None (or the same list) with a source.
         out_dir: cache folder (created; existing complete parts are kept).
         part_size: sequences per part.
         max_tokens: sequences are cut to this many tokens.
-        dtype: compute dtype of the target pass (bfloat16 is ~3x faster on CPUs with bf16 matmul; the
-            paper's targets run in bf16 too). Stored values are float16 either way.
+        dtype: compute dtype of a transformers target.
     Raises:
-        ConfigError: the folder holds a cache made with other taps or hidden size.
+        ConfigError: the folder holds a cache made with other taps, hidden size or feature source, or
+            `target_layer_ids` disagrees with the source's.
     """
+    if callable(getattr(target, "features", None)):
+        source = target
+        if target_layer_ids is not None and [int(i) for i in target_layer_ids] != list(source.target_layer_ids):
+            raise ConfigError(f"target_layer_ids: {source.name} taps {list(source.target_layer_ids)}, "
+                              f"found {list(target_layer_ids)}")
+    else:
+        source = TransformersFeatures(target, target_layer_ids, dtype)
     say = progress or (lambda line: None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    H = target_model.config.hidden_size
-    ids = [int(i) for i in target_layer_ids]
+    H, ids = source.hidden_size, list(source.target_layer_ids)
     meta = {"format": FORMAT, "target_layer_ids": ids, "hidden_size": H, "feature_size": H * len(ids),
-            "dtype": "float16", "parts": [], "complete": False, "num_records": len(records)}
+            "dtype": "float16", "source": source.name, "parts": [], "complete": False,
+            "num_records": len(records)}
     if (out / "meta.json").is_file():
         old = json.loads((out / "meta.json").read_text(encoding="utf-8"))
-        for key in ("target_layer_ids", "hidden_size"):
-            if old.get(key) != meta[key]:
+        for key in ("target_layer_ids", "hidden_size", "source"):
+            if old.get(key, meta[key] if key == "source" else None) != meta[key]:
                 raise ConfigError(f"{out}/meta.json: {key} is {old.get(key)!r} but this run uses {meta[key]!r}; "
                                   "use another folder")
-    model = target_model.to(dtype)
     t0, done_tokens = time.perf_counter(), 0
     starts = range(0, len(records), part_size)
     def complete(start: int) -> bool:
@@ -107,11 +145,9 @@ def build_feature_cache(target_model, records: Sequence[dict], target_layer_ids:
         toks, auxs, lasts, offsets, prompt_lens, sources = [], [], [], [0], [], []
         for rec in records[start:start + part_size]:
             seq = (list(rec["prompt_ids"]) + list(rec["response_ids"]))[:max_tokens]
-            x = torch.tensor([seq], dtype=torch.long)
-            res = model(input_ids=x, output_hidden_states=True)
-            hs = res.hidden_states
-            auxs.append(torch.cat([hs[l + 1][0] for l in ids], dim=-1).to(torch.float16).numpy())
-            lasts.append(hs[-1][0].to(torch.float16).numpy())
+            aux, last = source.features(seq)
+            auxs.append(np.asarray(aux, np.float16))
+            lasts.append(np.asarray(last, np.float16))
             toks.append(np.asarray(seq, np.int32))
             offsets.append(offsets[-1] + len(seq))
             prompt_lens.append(min(len(rec["prompt_ids"]), len(seq)))

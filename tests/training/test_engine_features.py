@@ -1,0 +1,59 @@
+"""Drafter-training features from an engine directory (`engines.target_features.EngineFeatures`)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_export.engines.target_features import EngineFeatures
+from dspark_export.errors import ConfigError
+from dspark_export.training.features import FeatureCache, build_feature_cache
+
+
+@pytest.fixture(scope="module")
+def engine_features(tiny_engine_dir):
+    return EngineFeatures(tiny_engine_dir, threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+def test_engine_features_match_the_transformers_target(engine_features, tiny_model):
+    """The fp32 engine's prefill gives the transformers target's tapped outputs and final-normed hidden."""
+    tokens = np.random.default_rng(0).integers(3, 256, size=37)
+    aux, last = engine_features.features(tokens)
+    with torch.no_grad():
+        hs = tiny_model(input_ids=torch.from_numpy(tokens)[None], output_hidden_states=True).hidden_states
+    taps = engine_features.target_layer_ids
+    np.testing.assert_allclose(aux, torch.cat([hs[l + 1][0] for l in taps], -1).numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(last, hs[-1][0].numpy(), atol=1e-4, rtol=1e-4)
+    assert aux.shape == (37, len(taps) * engine_features.hidden_size) and last.shape == (37, engine_features.hidden_size)
+
+
+def test_a_cache_grows_only_from_its_own_source(engine_features, tiny_model, records, tmp_path):
+    build_feature_cache(engine_features, records[:3], None, tmp_path, part_size=2)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["source"] == engine_features.name and meta["source"].startswith("engine:fp32:")
+    seq = FeatureCache(tmp_path)[2]
+    aux, last = engine_features.features(seq.tokens)
+    np.testing.assert_allclose(seq.aux, aux, atol=2e-3, rtol=2e-3)  # float16 storage
+    np.testing.assert_allclose(seq.last, last, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ConfigError, match="source"):
+        build_feature_cache(tiny_model, records[:4], engine_features.target_layer_ids, tmp_path, part_size=2,
+                            dtype=torch.float32)
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        build_feature_cache(engine_features, records[:4], [0], tmp_path, part_size=2)
+
+
+def test_engine_features_reject_bad_input(engine_features, tmp_path):
+    with pytest.raises(ConfigError, match="at least one token"):
+        engine_features.features([])
+    with pytest.raises(Exception, match="manifest"):
+        EngineFeatures(tmp_path)
