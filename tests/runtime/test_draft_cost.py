@@ -76,7 +76,7 @@ def every_probe(monkeypatch):
 def test_async_skips_the_drafter_and_probes_back(runtime, every_probe):  # noqa: F811
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     # An expensive drafter: a step that verifies drafts cannot pay it back, so K* = 0 after two steps.
-    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
     calls = []
     real = gen.stages.draft
     gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
@@ -113,7 +113,7 @@ def test_skipped_steps_pay_no_drafter_cost_and_drafts_see_the_full_context(runti
     rows wait in the backlog), yet every draft reads a context that reaches its anchor, holding the
     same rows as a policy that drafts (and flushes) every step."""
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
-    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
     feeds = _draft_feeds(gen)
     graphs = []
     real = gen.stages.infer
@@ -145,7 +145,7 @@ def test_the_backlog_is_bounded_by_the_largest_context_bucket(runtime):  # noqa:
     """A prompt prefilled over two steps: once the backlog reaches the largest drafter_context bucket it
     is flushed without a draft (before the request ever drafts), so held features stay bounded."""
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
-    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
     limit = gen.backlog_limit
     prompt = (PROMPTS[0] * 20)[:gen.max_context - 21]
     assert len(prompt) > gen.max_tokens >= limit
@@ -326,7 +326,8 @@ def test_the_calibration_bias_reaches_the_policy(runtime):  # noqa: F811
 
 def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F811
     """⌈2 · d(S) · SPS(R) / 0.05⌉ skipped steps at least between probes of R requests in S slots; with a
-    drafter that costs 400 target steps, the drafter runs on the first decoding step and never again."""
+    40 ms drafter (floor 2 · 40 ms · 40 / 0.05 = 64 steps), 60 tokens run the drafter on the first decoding
+    step and never again."""
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 16), draft_ms=(20.0, 90.0))
     # R = S = 1: 2 × 20 ms × 40 steps/s / 0.05 = 32; R = S = 16: 2 × 90 ms × 16 / 0.05 = 57.6 → 58
@@ -336,7 +337,7 @@ def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F81
     gen.profile = ThroughputProfile((1, 2), (1e300, 1e300), draft_requests=(1,), draft_ms=(1e300,))
     assert gen.controller.probe_floor(1, 1) == draft_control._FLOOR_CAP               # finite however absurd the profile
     assert gen.controller.probe_floor(4, 4) == draft_control._MAX_PROBE_INTERVAL       # past the largest bucket: SPS 0
-    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
     calls = []
     real = gen.stages.draft
     gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
@@ -345,10 +346,24 @@ def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F81
     assert len(calls) == 1 and gen.drafts_skipped == result.stats.rounds - 1
 
 
+def test_async_never_runs_a_drafter_that_cannot_pay(runtime):  # noqa: F811
+    """A 10 s drafter: not even γ drafts that all survive pay for it at any R, so dspark-async runs `ar`'s
+    work exactly: no first draft, no probes (they could not change the answer)."""
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
+    calls = []
+    real = gen.stages.draft
+    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    results = gen.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=40)] * 2)
+    assert calls == [] and gen.drafts_skipped > 0
+    assert [r.token_ids for r in results] == [_solo(runtime, p, 40) for p in PROMPTS[:2]]
+
+
 def test_async_prices_the_drafter_over_every_slot_while_others_prefill(runtime):  # noqa: F811
     """One, then two requests decode while 85-token prompts prefill (64-token steps) in 4 slots: the
-    drafter block runs over all 4 slots, so the skip rule prices d(4) (10 s here), not d(R) (10 µs), and
-    drafts only on the first decoding step (no running mean yet). Priced at d(R) it drafted at R = 2."""
+    drafter block runs over all 4 slots, so the skip rule prices d(4) (10 s here), not d(R) (10 µs): not
+    even drafts that all survive pay that, so it never drafts, not even on the first decoding step (no
+    running mean yet). Priced at d(R) it drafted at R = 2."""
     drafter = _ScriptedConfidence(lambda call, s: 0.95)
     gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 2, 4), draft_ms=(0.01, 0.01, 1e4))
@@ -361,7 +376,7 @@ def test_async_prices_the_drafter_over_every_slot_while_others_prefill(runtime):
         gen.step()
         if 0 < decoding < len(prompts) and gen.num_slots == 4:
             ramp.append((decoding, drafter.calls - before))
-    assert len(ramp) >= 2 and [d for _, d in ramp] == [1] + [0] * (len(ramp) - 1), ramp
+    assert len(ramp) >= 2 and [d for _, d in ramp] == [0] * len(ramp), ramp
     for rid, prompt in zip(ids, prompts):
         assert gen.result(rid).token_ids == _solo(runtime, prompt, 8)
 

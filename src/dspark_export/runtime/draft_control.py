@@ -83,6 +83,10 @@ class SkipController(DraftController):
     worth drafting for among many that are not is not drafted for. (Which positions a drafted step
     verifies is still §5.2's lagged capacity, per request.)
 
+    A step where not even drafts that all survive would pay (K* = 0 at survival 1 everywhere: a large R
+    on a small CPU, or a drafter that costs more than the γ + 1 tokens it could win) skips without counting
+    towards a probe: no confidence can change its answer, so it runs exactly `ar`'s work.
+
     Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs for a
     probe of _PROBE_STEPS = 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
     mean restarts from them. The interval doubles after each probe that ends in another skip (4, 8, ...,
@@ -109,10 +113,14 @@ class SkipController(DraftController):
         self.survival_n = 0
 
     def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
+        R = num_requests
+        if mean_survival_capacity(np.ones((R, self.block_size)), R, step_profile, _SKIP_MARGIN,
+                                  draft_slots=num_slots) == 0:
+            self.drafts_skipped += 1  # not even drafts that all survive would pay: no probe can change that
+            return False
         if self.probe_left > 0:
             self.probe_left -= 1
             return True
-        R = num_requests
         if self.skipped >= max(self.probe_interval, self.probe_floor(R, num_slots)):
             self.history, self.skipped, self.survival_n = [], 0, 0
             self.probe_interval = min(2 * self.probe_interval, _MAX_PROBE_INTERVAL)
