@@ -346,10 +346,11 @@ def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F81
     assert len(calls) == 1 and gen.drafts_skipped == result.stats.rounds - 1
 
 
-def test_async_never_runs_a_drafter_that_cannot_pay(runtime):  # noqa: F811
-    """A 10 s drafter: not even γ drafts that all survive pay for it at any R, so dspark-async runs `ar`'s
-    work exactly: no first draft, no probes (they could not change the answer)."""
-    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+@pytest.mark.parametrize("policy", ["dspark-async", "dspark"])
+def test_scheduled_policies_never_run_a_drafter_that_cannot_pay(runtime, policy):  # noqa: F811
+    """A 10 s drafter: not even γ drafts that all survive pay for it at any R, so dspark-async and dspark run
+    `ar`'s work exactly: no first draft, no probes (they could not change the answer)."""
+    gen = Generator(runtime.engines, parse_policy(policy))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
     calls = []
     real = gen.stages.draft
@@ -357,6 +358,18 @@ def test_async_never_runs_a_drafter_that_cannot_pay(runtime):  # noqa: F811
     results = gen.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=40)] * 2)
     assert calls == [] and gen.drafts_skipped > 0
     assert [r.token_ids for r in results] == [_solo(runtime, p, 40) for p in PROMPTS[:2]]
+
+
+def test_dspark_drafts_every_step_where_perfect_drafts_would_pay(runtime):  # noqa: F811
+    """dspark keeps the paper's rule (draft, then Algorithm 1 on fresh confidences) wherever drafting could pay."""
+    gen = Generator(runtime.engines, parse_policy("dspark"))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(0.01, 0.01))
+    calls = []
+    real = gen.stages.draft
+    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=20)])[0]
+    assert gen.drafts_skipped == 0 and len(calls) == result.stats.rounds  # every decoding round
+    assert result.token_ids == _solo(runtime, PROMPTS[0], 20)
 
 
 def test_async_prices_the_drafter_over_every_slot_while_others_prefill(runtime):  # noqa: F811

@@ -1,7 +1,8 @@
 """When the drafter runs, and the lagged confidences the policies read; a policy makes its own controller
 (`Policy.draft_controller`).
 
-`DraftController` (every policy): a policy that drafts drafts every step. `SkipController` (dspark-async
+`DraftController` (every policy): a policy that drafts drafts every step, except that dspark skips a step
+where not even drafts that all survive would pay. `SkipController` (dspark-async
 with a known drafter cost): skips the drafter block on steps where drafting does not pay and probes it
 now and then for fresh confidences. Both keep the confidences of the last two drafted steps, which
 dspark-async's lagged capacity reads (paper §5.2). Dimension letters: R decoding requests, S slots (the
@@ -26,14 +27,20 @@ _FLOOR_CAP = 10**6     # the most skipped steps `probe_floor` asks for
 
 
 class DraftController:
-    """Drafts every step when the policy drafts at all; keeps the last two steps' confidences.
+    """Drafts every step when the policy drafts at all, unless it prices the drafter and not even perfect
+    drafts would pay (`can_pay`: dspark with a drafter cost in its profile); keeps the last two steps'
+    confidences.
 
     Args:
         drafts: whether the policy uses the drafter (`Policy.drafts`).
+        profile: the engine directory's profile with drafter rows, for `can_pay`; None never skips
+            (fixed and threshold verify what they are told).
+        block_size: γ.
     """
 
-    def __init__(self, drafts: bool):
+    def __init__(self, drafts: bool, profile: ThroughputProfile | None = None, block_size: int = 0):
         self.drafts = drafts
+        self.profile, self.block_size = profile, block_size
         self.history: list[np.ndarray] = []  # confidences [R, γ] of the last two drafted steps
         self.drafts_skipped = 0  # steps whose drafter block was skipped, for benchmarks
         self.draft_wall: dict[int, float] = {}  # slots S -> running mean of the drafter block's wall time, s
@@ -41,7 +48,21 @@ class DraftController:
     def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
         """Whether this step runs the drafter block for `num_requests` decoding requests in `num_slots` slots
         (`step_profile`: the profile bound to the step's layout, or None)."""
+        if self.drafts and not self.can_pay(num_requests, num_slots, step_profile):
+            self.drafts_skipped += 1
+            return False
         return self.drafts
+
+    def can_pay(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
+        """False when the controller prices the drafter (a profile with drafter cost) and not even drafts
+        that all survive would pay for it this step: K* = 0 at survival 1 everywhere, with the skip margin
+        (a large R on a small CPU, or a drafter dearer than the γ + 1 tokens it could win). No confidence
+        can change that answer, so such a step drafts nothing and runs exactly `ar`'s work."""
+        if self.profile is None or step_profile is None:
+            return True
+        R = num_requests
+        return mean_survival_capacity(np.ones((R, self.block_size)), R, step_profile, _SKIP_MARGIN,
+                                      draft_slots=num_slots) > 0
 
     def lagged(self) -> np.ndarray | None:
         """The confidences [R', γ] of two drafted steps ago, or None (dspark-async's lagged capacity)."""
@@ -83,9 +104,8 @@ class SkipController(DraftController):
     worth drafting for among many that are not is not drafted for. (Which positions a drafted step
     verifies is still §5.2's lagged capacity, per request.)
 
-    A step where not even drafts that all survive would pay (K* = 0 at survival 1 everywhere: a large R
-    on a small CPU, or a drafter that costs more than the γ + 1 tokens it could win) skips without counting
-    towards a probe: no confidence can change its answer, so it runs exactly `ar`'s work.
+    A step where not even drafts that all survive would pay (`can_pay`) skips without counting towards a
+    probe: no confidence can change its answer, so it runs exactly `ar`'s work.
 
     Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs for a
     probe of _PROBE_STEPS = 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
@@ -103,8 +123,7 @@ class SkipController(DraftController):
     """
 
     def __init__(self, profile: ThroughputProfile, block_size: int):
-        super().__init__(drafts=True)
-        self.profile, self.block_size = profile, block_size
+        super().__init__(True, profile, block_size)
         self.skipped, self.probe_interval = 0, _MIN_PROBE_INTERVAL
         self.probe_left = 0  # drafted steps left in the current probe
         # [γ] running mean over drafted steps of the request-averaged survival, and the steps in it since
@@ -114,9 +133,8 @@ class SkipController(DraftController):
 
     def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
         R = num_requests
-        if mean_survival_capacity(np.ones((R, self.block_size)), R, step_profile, _SKIP_MARGIN,
-                                  draft_slots=num_slots) == 0:
-            self.drafts_skipped += 1  # not even drafts that all survive would pay: no probe can change that
+        if not self.can_pay(R, num_slots, step_profile):
+            self.drafts_skipped += 1  # not counted towards a probe: no confidence can change this answer
             return False
         if self.probe_left > 0:
             self.probe_left -= 1

@@ -82,10 +82,13 @@ class Policy:
 
     def draft_controller(self, profile: ThroughputProfile | None, block_size: int) -> DraftController:
         """What decides, step by step, whether the drafter runs (`runtime.draft_control`): dspark-async with
-        a drafter cost in its profile skips the drafter block when drafting does not pay; every other policy
-        drafts every step when it drafts at all."""
-        if self.name == "dspark-async" and profile is not None and profile.has_draft_cost:
+        a drafter cost in its profile skips the drafter block when drafting does not pay; dspark with one
+        only where not even perfect drafts would pay; fixed and threshold draft every step."""
+        priced = profile is not None and profile.has_draft_cost
+        if self.name == "dspark-async" and priced:
             return SkipController(profile, block_size)
+        if self.name == "dspark" and priced:
+            return DraftController(True, profile, block_size)
         return DraftController(self.drafts)
 
     def verify_lengths(self, confidence: np.ndarray | None, block_size: int,
