@@ -131,6 +131,9 @@ def main(argv=None) -> int:
     p.add_argument("--forms", default="auto",
                    help="block forms, comma-separated: auto (what build exports: fused exactly when the layers are "
                         "quantized), plain, fused, contrib (exporter.drafter.build_block_graph's `fused`)")
+    p.add_argument("--block-sizes", default="",
+                   help="γ values to build the drafter block at (default: the shipped drafter's); the weights do not "
+                        "depend on γ, so this times the shapes a drafter trained with that γ would run")
     p.add_argument("--requests", default="1,4,16")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rounds", type=int, default=15)
@@ -162,6 +165,7 @@ def main(argv=None) -> int:
     requests = [int(r) for r in args.requests.split(",")]
     sessions = {}  # label -> (session, {R: feed})
     models = {}  # drafter label -> ModelProto (for --profile)
+    built = []  # (N, γ, layer format, form, label) of every drafter block built here
     for label_path in args.target_graph:
         label, path = label_path.split("=", 1)
         s = _session(path, args.threads)
@@ -174,16 +178,26 @@ def main(argv=None) -> int:
 
     from dspark_export.exporter.drafter import _spec
 
-    for size in args.sizes.split(","):
+    import copy
+    import dataclasses
+
+    gammas = [int(g) for g in args.block_sizes.split(",")] if args.block_sizes else [drafter.config.block_size]
+    for size, gamma in ((size, g) for size in args.sizes.split(",") for g in gammas):
         d2t = None if size == "full" else select_d2t(ranking, int(size), vocab)
+        shaped = drafter
+        if gamma != drafter.config.block_size:
+            shaped = copy.copy(drafter)  # the same modules; only the frozen config's γ differs
+            object.__setattr__(shaped, "config", dataclasses.replace(drafter.config, block_size=gamma))
         for fmt, form in ((f, form) for f in args.formats.split(",") for form in args.forms.split(",")):
             fused = {"auto": None, "plain": False, "fused": True, "contrib": "contrib"}[form]
             with torch.no_grad():
-                model = build_block_graph(drafter, inputs.rope, embed, "int8", d2t, fmt, fused=fused)
-            spec = _spec(drafter, "int8", 0 if d2t is None else len(d2t), fmt)
+                model = build_block_graph(shaped, inputs.rope, embed, "int8", d2t, fmt, fused=fused)
+            spec = _spec(shaped, "int8", 0 if d2t is None else len(d2t), fmt)
             s = _session(model, args.threads)
-            label = f"drafter:N={size}:{fmt}" + ("" if form == "auto" else f":{form}")
+            label = f"drafter:N={size}:{fmt}" + ("" if form == "auto" else f":{form}") + \
+                ("" if not args.block_sizes else f":γ={gamma}")
             models[label] = model
+            built.append((size, gamma, fmt, form, label))
             sessions[label] = (s, {R: _block_feed(spec, R, args.context, rng) for R in requests})
             print(f"built N={size} {fmt} {form}", file=sys.stderr, flush=True)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -201,17 +215,15 @@ def main(argv=None) -> int:
                  "q75_ms": round(float(np.percentile(v, 75)), 3)} for k, v in times.items()}
     targets = {k.split(":")[1]: v["median_ms"] for k, v in stats.items() if k.startswith("target:")}
     rows = []
-    for size in args.sizes.split(","):
-        for fmt, form in ((f, form) for f in args.formats.split(",") for form in args.forms.split(",")):
-            row = {"N": size, "layers": fmt, "form": form}
-            label = f"drafter:N={size}:{fmt}" + ("" if form == "auto" else f":{form}")
-            for R in requests:
-                st = stats[f"{label}:R={R}"]
-                row[f"R{R}_ms"] = st["median_ms"]
-                row[f"R{R}_iqr_ms"] = [st["q25_ms"], st["q75_ms"]]
-            for t, ms in targets.items():
-                row[f"R1_share_of_{t}"] = round(row["R1_ms"] / ms, 3)
-            rows.append(row)
+    for size, gamma, fmt, form, label in built:
+        row = {"N": size, "block_size": gamma, "layers": fmt, "form": form}
+        for R in requests:
+            st = stats[f"{label}:R={R}"]
+            row[f"R{R}_ms"] = st["median_ms"]
+            row[f"R{R}_iqr_ms"] = [st["q25_ms"], st["q75_ms"]]
+        for t, ms in targets.items():
+            row[f"R1_share_of_{t}"] = round(row["R1_ms"] / ms, 3)
+        rows.append(row)
     for label_path in args.block_graph:
         label = label_path.split("=", 1)[0]
         row = {"graph": label}

@@ -197,7 +197,8 @@ def cmd_train(args, say):
     cfg = TrainConfig(out_dir=str(out), variant=args.variant, num_draft_layers=args.layers, markov_rank=args.markov_rank,
                       target_layer_ids=tuple(args.taps) if args.taps else None, steps=args.steps,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
-                      seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size)
+                      seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size,
+                      block_size=args.block_size)
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     eval_dir = Path(args.run) / "features" / "calibration"
@@ -348,6 +349,8 @@ def parse_args(argv=None):
     p.add_argument("--variant", default="dspark", choices=["dspark", "dflash"])
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=7,
+                   help="γ, draft tokens per block (the drafter block runs γ rows: its cost grows with it)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--seqs-per-step", type=int, default=4)
     p.add_argument("--anchors-per-seq", type=int, default=64)
