@@ -65,6 +65,8 @@ def child(variant: str, policy: str, engine_dir: str, max_new_tokens: int, threa
         t0 = time.perf_counter()
         [r] = rt.generate_ids([ids], [SamplingParams(max_new_tokens=max_new_tokens)])
         walls.append(time.perf_counter() - t0)
+    if not r.token_ids:
+        raise SystemExit(f"{engine_dir}: the generation made no tokens ({r.finish_reason}); nothing to time")
     return {"variant": variant, "policy": policy, "tokens": len(r.token_ids), "wall_s": float(np.median(walls)),
             "tok_s": len(r.token_ids) / float(np.median(walls)),
             "median_ms": {g: float(np.median(v)) * 1e3 for g, v in calls.items()}}
@@ -94,9 +96,14 @@ def main(argv=None) -> int:
             for v in variants:
                 cmd = [sys.executable, __file__, "--engine-dir", args.engine_dir, "--max-new-tokens",
                        str(args.max_new_tokens), "--threads", str(args.threads), "--child", v, policy]
-                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()
-                rows.append(json.loads(out[-1]))
-                print(out[-1], flush=True)
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode:
+                    last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
+                    print(f"error: {v} {policy}: the child exited {run.returncode}: {last}", file=sys.stderr)
+                    return 2
+                out = run.stdout.strip().splitlines()[-1]
+                rows.append(json.loads(out))
+                print(out, flush=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -37,7 +37,13 @@ def main(argv=None) -> int:
     with open(args.records, encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt_ids"] for line, _ in zip(f, range(args.prompts))]
     engines = EngineSet.open(args.engine_dir, threads=args.threads).activate_all()
-    for slots in (int(s) for s in args.slots.split(",")):
+    largest = engines.buckets("drafter_block")[-1]
+    wanted = [int(s) for s in args.slots.split(",")]
+    if max(wanted) > largest:
+        print(f"error: --slots {max(wanted)}: {args.engine_dir} has request buckets up to {largest}; rebuild it with "
+              f"--request-buckets up to {max(wanted)}", file=sys.stderr)
+        return 2
+    for slots in wanted:
         gen = Generator(engines, parse_policy("ar"), max_slots=slots)
         count = [0]
         for ids in prompts:

@@ -360,6 +360,22 @@ def test_scheduled_policies_never_run_a_drafter_that_cannot_pay(runtime, policy)
     assert [r.token_ids for r in results] == [_solo(runtime, p, 40) for p in PROMPTS[:2]]
 
 
+def test_can_pay_bounds_each_policys_own_rule():
+    """R = 1, γ = 4, d = 55 ms: four drafts that all survive give 5 tokens in 50 + 55 ms = 47.6 tokens/s
+    against ar's 40 (+19 %): dspark (margin 0) may still draft, dspark-async (its 20 % margin) never would.
+    At survival 1 the gate bounds the real rule: wherever it drafts at some survival, the gate says it can pay."""
+    p = ThroughputProfile(**CPU_LIKE, draft_requests=(1,), draft_ms=(55.0,))
+    assert parse_policy("dspark").draft_controller(p, 4).can_pay(1, 1, p)
+    assert not parse_policy("dspark-async").draft_controller(p, 4).can_pay(1, 1, p)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        c = np.sort(rng.random((2, 4)), axis=1)[:, ::-1]
+        survival = np.cumprod(c, axis=1)
+        for margin, policy in ((0.0, "dspark"), (draft_control._SKIP_MARGIN, "dspark-async")):
+            if mean_survival_capacity(survival, 2, p, margin, draft_slots=4) > 0:
+                assert parse_policy(policy).draft_controller(p, 4).can_pay(2, 4, p)
+
+
 def test_dspark_drafts_every_step_where_perfect_drafts_would_pay(runtime):  # noqa: F811
     """dspark keeps the paper's rule (draft, then Algorithm 1 on fresh confidences) wherever drafting could pay."""
     gen = Generator(runtime.engines, parse_policy("dspark"))

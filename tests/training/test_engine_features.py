@@ -52,8 +52,35 @@ def test_a_cache_grows_only_from_its_own_source(engine_features, tiny_model, rec
         build_feature_cache(engine_features, records[:4], [0], tmp_path, part_size=2)
 
 
+def test_a_cache_from_before_sources_were_recorded_is_a_transformers_one(engine_features, tiny_model, records,
+                                                                         tmp_path):
+    import copy
+
+    build_feature_cache(copy.deepcopy(tiny_model), records[:2], engine_features.target_layer_ids, tmp_path,
+                        part_size=2, dtype=torch.float32)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["source"]
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="source is 'transformers' but this run uses 'engine:"):
+        build_feature_cache(engine_features, records[:4], None, tmp_path, part_size=2)
+    build_feature_cache(copy.deepcopy(tiny_model), records[:4], engine_features.target_layer_ids, tmp_path,
+                        part_size=2, dtype=torch.float32)
+    assert json.loads((tmp_path / "meta.json").read_text())["source"] == "transformers"
+    assert len(FeatureCache(tmp_path)) == 4
+
+
+def test_the_source_names_the_weights_not_the_folder(engine_features, tiny_engine_dir, tmp_path):
+    import shutil
+
+    moved = tmp_path / "renamed"
+    shutil.copytree(tiny_engine_dir, moved)
+    assert EngineFeatures(moved, threads=1).name == engine_features.name
+
+
 def test_engine_features_reject_bad_input(engine_features, tmp_path):
-    with pytest.raises(ConfigError, match="at least one token"):
+    with pytest.raises(ConfigError, match="1 to 512 tokens"):
         engine_features.features([])
+    with pytest.raises(ConfigError, match="found 513"):
+        engine_features.features(np.zeros(513, np.int64) + 3)
     with pytest.raises(Exception, match="manifest"):
         EngineFeatures(tmp_path)

@@ -15,11 +15,13 @@ in docs/ARCHITECTURE.md.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError
+from ..exporter.quantize import EXACT_MAX_KEYS
 from .manifest import Manifest
 
 __all__ = ["EngineFeatures"]
@@ -56,7 +58,10 @@ class EngineFeatures:
         engine_dir: a `dspark-export build` output.
         threads: ONNX Runtime intra-op threads (0: its default).
     Attributes:
-        name: recorded in the cache's meta.json ("engine:<weights>:<dir name>").
+        name: recorded in the cache's meta.json ("engine:<weights>:<digest of the target graph's files>",
+            from the manifest's sha256 entries: the same weights under any directory name).
+        max_tokens: the longest sequence `features` takes (max_position_embeddings; for a quantized
+            target also EXACT_MAX_KEYS).
         target_layer_ids: the graph's taps (`aux` is their outputs, in this order).
         hidden_size: H.
     Raises:
@@ -72,7 +77,15 @@ class EngineFeatures:
         self.hidden_size = int(spec["hidden_size"])
         self._layers, self._kv_heads, self._head_dim = (int(spec[k]) for k in ("num_layers", "num_kv_heads",
                                                                                "head_dim"))
-        self.name = f"engine:{spec.get('weights', 'fp32')}:{Path(engine_dir).resolve().name}"
+        self.weights = spec.get("weights", "fp32")
+        self.max_tokens = int(spec["max_position_embeddings"])
+        if self.weights != "fp32":
+            self.max_tokens = min(self.max_tokens, EXACT_MAX_KEYS)
+        files = manifest.data.get("files", {})
+        graph = manifest.data["graphs"]["target"]
+        digest = hashlib.sha256("".join(files.get(rel, {}).get("sha256", rel) for rel in
+                                        (graph["path"], graph.get("data") or "")).encode()).hexdigest()
+        self.name = f"engine:{self.weights}:{digest[:16]}"
         model, self._last = _feature_graph(manifest.graph_path("target"))
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -84,8 +97,10 @@ class EngineFeatures:
         """aux [T, F] and last [T, H] float32 for one sequence `tokens` [T] (its first token at position 0)."""
         ids = np.asarray(tokens, np.int64).reshape(-1)
         T = int(ids.size)
-        if T == 0:
-            raise ConfigError("features: expected a sequence of at least one token, found none")
+        if not 0 < T <= self.max_tokens:
+            raise ConfigError(f"features: expected a sequence of 1 to {self.max_tokens} tokens (the target's "
+                              f"{'position range' if self.weights == 'fp32' else 'position range and exact attention'}"
+                              f"), found {T}; cut it shorter (build_feature_cache's max_tokens)")
         rows = np.arange(T, dtype=np.int64)
         empty = np.zeros((1, self._kv_heads, 0, self._head_dim), np.float32)
         feed = {"input_ids": ids, "position_ids": rows, "query_start": np.array([0, T], np.int64),

@@ -2,7 +2,7 @@
 (`Policy.draft_controller`).
 
 `DraftController` (every policy): a policy that drafts drafts every step, except that dspark skips a step
-where not even drafts that all survive would pay. `SkipController` (dspark-async
+where not even drafts that all survive would beat not drafting. `SkipController` (dspark-async
 with a known drafter cost): skips the drafter block on steps where drafting does not pay and probes it
 now and then for fresh confidences. Both keep the confidences of the last two drafted steps, which
 dspark-async's lagged capacity reads (paper §5.2). Dimension letters: R decoding requests, S slots (the
@@ -36,11 +36,14 @@ class DraftController:
         profile: the engine directory's profile with drafter rows, for `can_pay`; None never skips
             (fixed and threshold verify what they are told).
         block_size: γ.
+        margin: the gain over not drafting that perfect drafts must reach for the step to draft (dspark:
+            0; dspark-async's subclass: _SKIP_MARGIN, its own skip rule's).
     """
 
-    def __init__(self, drafts: bool, profile: ThroughputProfile | None = None, block_size: int = 0):
+    def __init__(self, drafts: bool, profile: ThroughputProfile | None = None, block_size: int = 0,
+                 margin: float = 0.0):
         self.drafts = drafts
-        self.profile, self.block_size = profile, block_size
+        self.profile, self.block_size, self.margin = profile, block_size, margin
         self.history: list[np.ndarray] = []  # confidences [R, γ] of the last two drafted steps
         self.drafts_skipped = 0  # steps whose drafter block was skipped, for benchmarks
         self.draft_wall: dict[int, float] = {}  # slots S -> running mean of the drafter block's wall time, s
@@ -48,20 +51,23 @@ class DraftController:
     def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
         """Whether this step runs the drafter block for `num_requests` decoding requests in `num_slots` slots
         (`step_profile`: the profile bound to the step's layout, or None)."""
-        if self.drafts and not self.can_pay(num_requests, num_slots, step_profile):
+        if self.drafts and not self.can_pay(num_requests, num_slots, self.profile):
             self.drafts_skipped += 1
             return False
         return self.drafts
 
-    def can_pay(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
+    def can_pay(self, num_requests: int, num_slots: int, profile: ThroughputProfile | None) -> bool:
         """False when the controller prices the drafter (a profile with drafter cost) and not even drafts
-        that all survive would pay for it this step: K* = 0 at survival 1 everywhere, with the skip margin
-        (a large R on a small CPU, or a drafter dearer than the γ + 1 tokens it could win). No confidence
-        can change that answer, so such a step drafts nothing and runs exactly `ar`'s work."""
-        if self.profile is None or step_profile is None:
+        that all survive would gain `margin` over not drafting this step: K* = 0 at survival 1 everywhere
+        (`scheduler.mean_survival_capacity`: K = 0 priced without the drafter; the block at d(S)). Real
+        survivals are at most 1 and a step's time only grows with its width, so K* at survival 1 bounds K*
+        at any survival: no confidence the drafter could give would make the step draft, and it runs
+        exactly `ar`'s work (a large R on a small CPU, or a drafter dearer than the γ + 1 tokens it could
+        win). `profile`: the one the policy prices with (dspark: SPS(B); dspark-async: bound to the layout)."""
+        if self.profile is None or profile is None:
             return True
         R = num_requests
-        return mean_survival_capacity(np.ones((R, self.block_size)), R, step_profile, _SKIP_MARGIN,
+        return mean_survival_capacity(np.ones((R, self.block_size)), R, profile, self.margin,
                                       draft_slots=num_slots) > 0
 
     def lagged(self) -> np.ndarray | None:
@@ -104,8 +110,9 @@ class SkipController(DraftController):
     worth drafting for among many that are not is not drafted for. (Which positions a drafted step
     verifies is still §5.2's lagged capacity, per request.)
 
-    A step where not even drafts that all survive would pay (`can_pay`) skips without counting towards a
-    probe: no confidence can change its answer, so it runs exactly `ar`'s work.
+    A step where not even drafts that all survive would gain _SKIP_MARGIN (`can_pay`, the same rule with
+    survival 1) skips without counting towards a probe: no confidence can change its answer, so it runs
+    exactly `ar`'s work.
 
     Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs for a
     probe of _PROBE_STEPS = 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
@@ -123,7 +130,7 @@ class SkipController(DraftController):
     """
 
     def __init__(self, profile: ThroughputProfile, block_size: int):
-        super().__init__(True, profile, block_size)
+        super().__init__(True, profile, block_size, _SKIP_MARGIN)
         self.skipped, self.probe_interval = 0, _MIN_PROBE_INTERVAL
         self.probe_left = 0  # drafted steps left in the current probe
         # [γ] running mean over drafted steps of the request-averaged survival, and the steps in it since

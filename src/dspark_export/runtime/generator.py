@@ -129,7 +129,8 @@ class Generator:
 
     @property
     def drafts_skipped(self) -> int:
-        """Steps whose drafter block was skipped (dspark-async), for benchmarks."""
+        """Steps whose drafter block was skipped (dspark-async; dspark where perfect drafts cannot pay),
+        for benchmarks."""
         return self.controller.drafts_skipped
 
     # -- public ------------------------------------------------------------------------------

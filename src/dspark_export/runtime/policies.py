@@ -82,8 +82,9 @@ class Policy:
 
     def draft_controller(self, profile: ThroughputProfile | None, block_size: int) -> DraftController:
         """What decides, step by step, whether the drafter runs (`runtime.draft_control`): dspark-async with
-        a drafter cost in its profile skips the drafter block when drafting does not pay; dspark with one
-        only where not even perfect drafts would pay; fixed and threshold draft every step."""
+        a drafter cost in its profile skips the drafter block when drafting does not pay by its margin; dspark
+        with one only where not even drafts that all survive would beat not drafting (margin 0, priced at
+        SPS(B) as its Algorithm 1 prices); fixed and threshold draft every step."""
         priced = profile is not None and profile.has_draft_cost
         if self.name == "dspark-async" and priced:
             return SkipController(profile, block_size)

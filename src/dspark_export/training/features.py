@@ -49,6 +49,7 @@ from ..progress import Eta
 __all__ = ["build_feature_cache", "FeatureCache", "Sequence_", "TransformersFeatures"]
 
 FORMAT = 1
+LEGACY_SOURCE = "transformers"  #: meta.json "source" of a cache written before sources were recorded
 
 
 def _write_meta(folder: Path, meta: dict) -> None:
@@ -117,9 +118,11 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
             "dtype": "float16", "source": source.name, "parts": [], "complete": False,
             "num_records": len(records)}
     if (out / "meta.json").is_file():
-        old = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+        old = {"source": LEGACY_SOURCE, **json.loads((out / "meta.json").read_text(encoding="utf-8"))}
+        if old["source"] == LEGACY_SOURCE and meta["source"].startswith("transformers:"):
+            meta["source"] = LEGACY_SOURCE  # written before sources were recorded: transformers, dtype unknown
         for key in ("target_layer_ids", "hidden_size", "source"):
-            if old.get(key, meta[key] if key == "source" else None) != meta[key]:
+            if old.get(key) != meta[key]:
                 raise ConfigError(f"{out}/meta.json: {key} is {old.get(key)!r} but this run uses {meta[key]!r}; "
                                   "use another folder")
     t0, done_tokens = time.perf_counter(), 0
