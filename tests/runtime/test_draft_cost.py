@@ -66,6 +66,13 @@ def _solo(rt, prompt, n):
     return Generator(rt.engines, parse_policy("ar")).generate([prompt], [SamplingParams(max_new_tokens=n)])[0].token_ids
 
 
+def _record_drafts(gen) -> list[int]:
+    """Wrap `gen.stages.draft`: the returned list gets the request count of every drafter block call."""
+    calls, real = [], gen.stages.draft
+    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    return calls
+
+
 @pytest.fixture
 def every_probe(monkeypatch):
     """No floor on the probe interval (`SkipController.probe_floor` = 0): probes at 4, 8, 16, ... skipped steps
@@ -77,9 +84,7 @@ def test_async_skips_the_drafter_and_probes_back(runtime, every_probe):  # noqa:
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     # An expensive drafter: a step that verifies drafts cannot pay it back, so K* = 0 after two steps.
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
-    calls = []
-    real = gen.stages.draft
-    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    calls = _record_drafts(gen)
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])[0]
     assert result.token_ids == _solo(runtime, PROMPTS[0], 60)          # greedy identity with skipping
     steps = result.stats.rounds
@@ -338,9 +343,7 @@ def test_probe_floor_keeps_probes_within_their_time_share(runtime):  # noqa: F81
     assert gen.controller.probe_floor(1, 1) == draft_control._FLOOR_CAP               # finite however absurd the profile
     assert gen.controller.probe_floor(4, 4) == draft_control._MAX_PROBE_INTERVAL       # past the largest bucket: SPS 0
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
-    calls = []
-    real = gen.stages.draft
-    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    calls = _record_drafts(gen)
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])[0]
     assert result.token_ids == _solo(runtime, PROMPTS[0], 60)
     assert len(calls) == 1 and gen.drafts_skipped == result.stats.rounds - 1
@@ -352,9 +355,7 @@ def test_scheduled_policies_never_run_a_drafter_that_cannot_pay(runtime, policy)
     `ar`'s work exactly: no first draft, no probes (they could not change the answer)."""
     gen = Generator(runtime.engines, parse_policy(policy))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(1e4, 1e4))
-    calls = []
-    real = gen.stages.draft
-    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    calls = _record_drafts(gen)
     results = gen.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=40)] * 2)
     assert calls == [] and gen.drafts_skipped > 0
     assert [r.token_ids for r in results] == [_solo(runtime, p, 40) for p in PROMPTS[:2]]
@@ -380,9 +381,7 @@ def test_dspark_drafts_every_step_where_perfect_drafts_would_pay(runtime):  # no
     """dspark keeps the paper's rule (draft, then Algorithm 1 on fresh confidences) wherever drafting could pay."""
     gen = Generator(runtime.engines, parse_policy("dspark"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(0.01, 0.01))
-    calls = []
-    real = gen.stages.draft
-    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    calls = _record_drafts(gen)
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=20)])[0]
     assert gen.drafts_skipped == 0 and len(calls) == result.stats.rounds  # every decoding round
     assert result.token_ids == _solo(runtime, PROMPTS[0], 20)
