@@ -3,14 +3,14 @@
 `EngineFeatures(engine_dir).features(tokens)` runs the target graph once over a whole sequence (a prefill
 with an empty KV cache) and returns the tapped layers' outputs `aux` [T, F] and the final-normed hidden
 state `last` [T, H], the two arrays `training.features` caches. Why from the engine: the drafter reads
-the engine's features at inference, so on a quantized build (int4 weights) it should be trained on those,
-not on a float copy of the target; and a prefill pass of the int4 graph is many times faster than the
-transformers model in bfloat16 on a CPU.
+the engine's features at inference, and on a quantized build they are not the float target's (int4 taps
+sit 10-27 % away in relative L2, reports/runtime_split/s13/), so a drafter for it should be trained on
+them. The cost: on a CPU with AMX the transformers target in bfloat16 prefills ~3x faster.
 
 The graph is the engine's own `graphs/target.onnx` with one change made in memory: the LM head (its GEMM
-and any Identity/Reshape after it) is dropped and the GEMM's input (the final-normed rows picked by `logit_rows`, here every row) becomes the output
-`last_hidden` [T, H]; the per-layer `new_key`/`new_value` outputs are not requested. Dimension letters as
-in docs/ARCHITECTURE.md.
+and any Identity/Reshape after it) is dropped, and the GEMM's input (the final-normed rows that
+`logit_rows` picks, here every row) becomes the output `last_hidden` [T, H]; the per-layer
+`new_key`/`new_value` outputs are not requested. Dimension letters as in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
