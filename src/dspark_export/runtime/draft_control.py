@@ -51,10 +51,14 @@ class DraftController:
     def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
         """Whether this step runs the drafter block for `num_requests` decoding requests in `num_slots` slots
         (`step_profile`: the profile bound to the step's layout, or None)."""
-        if self.drafts and not self.can_pay(num_requests, num_slots, self.profile):
+        if self.drafts and not self.can_pay(num_requests, num_slots, self.pricing(step_profile)):
             self.drafts_skipped += 1
             return False
         return self.drafts
+
+    def pricing(self, step_profile: ThroughputProfile | None) -> ThroughputProfile | None:
+        """The profile `can_pay` prices with: SPS(B), as dspark's Algorithm 1 prices."""
+        return self.profile
 
     def can_pay(self, num_requests: int, num_slots: int, profile: ThroughputProfile | None) -> bool:
         """False when the controller prices the drafter (a profile with drafter cost) and not even drafts
@@ -139,10 +143,9 @@ class SkipController(DraftController):
         self.survival_n = 0
 
     def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
+        if not super().should_draft(num_requests, num_slots, step_profile):
+            return False  # not counted towards a probe: no confidence can change this answer
         R = num_requests
-        if not self.can_pay(R, num_slots, step_profile):
-            self.drafts_skipped += 1  # not counted towards a probe: no confidence can change this answer
-            return False
         if self.probe_left > 0:
             self.probe_left -= 1
             return True
@@ -168,6 +171,10 @@ class SkipController(DraftController):
         self.survival_n += 1
         w = max(1.0 / self.survival_n, _SURVIVAL_EMA)
         self.survival_mean = m if self.survival_n == 1 else (1 - w) * self.survival_mean + w * m
+
+    def pricing(self, step_profile: ThroughputProfile | None) -> ThroughputProfile | None:
+        """dspark-async prices its skip rule, and so `can_pay`, on the profile bound to the step's layout."""
+        return step_profile
 
     def probe_floor(self, num_requests: int, num_slots: int) -> int:
         """The fewest skipped steps between probes for R requests in S slots: enough that a probe's drafter
