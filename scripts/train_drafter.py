@@ -27,6 +27,8 @@ Usage:
     python scripts/train_drafter.py features --run runs/smollm2 --engine /tmp/eng/default   # as the engines compute them
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500   # --draft-vocab 8192
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark-fullv --draft-vocab full --steps 1500
+    python scripts/train_drafter.py train --run runs/smollm2 --name v2 --block-size 5 --layers 2 --markov-rank 32 \
+        --init-from src/dspark_export/assets/drafters/smollm2-135m-instruct   # warm start from the shipped drafter
     python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 2300 \
         --lr-from runs/smollm2/dspark/metrics.jsonl      # same lr path as a resumed DSpark run
@@ -198,7 +200,7 @@ def cmd_train(args, say):
                       target_layer_ids=tuple(args.taps) if args.taps else None, steps=args.steps,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
                       seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size,
-                      block_size=args.block_size)
+                      block_size=args.block_size, init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     eval_dir = Path(args.run) / "features" / "calibration"
@@ -368,6 +370,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-stride", type=int, default=4, help="τ per checkpoint: every k-th calibration position")
     p.add_argument("--eval-limit", type=int, default=64,
                    help="τ per checkpoint over the first N calibration sequences (0 = no τ log)")
+    p.add_argument("--init-from", metavar="DRAFTER_DIR",
+                   help="start the run from a trained drafter of the same architecture (e.g. the shipped one; "
+                        "γ may differ) instead of a random init")
     p.add_argument("--lr-from", metavar="METRICS_JSONL",
                    help="follow another run's learning rate step by step (its metrics.jsonl), instead of "
                         "warmup + cosine: an ablation at an equal budget")

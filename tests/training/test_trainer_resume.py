@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -121,3 +122,34 @@ def test_feature_cache_grows_with_appended_records(train_target, records, tmp_pa
     assert len(cache) == 10 and (tmp_path / "part-00000" / "aux.npy").stat().st_mtime_ns == stamp
     for i in (4, 5, 9):
         assert cache[i].tokens.tolist() == records[i]["prompt_ids"] + records[i]["response_ids"]
+
+
+def test_warm_start_begins_from_the_checkpoint_and_resumes_as_its_own_run(train_target, feature_cache, tmp_path):
+    from dspark_export.modeling.checkpoint import save_drafter
+
+    base = train_drafter(train_target, feature_cache, _cfg(tmp_path / "base", 4))
+    save_drafter(base, tmp_path / "base-drafter", dtype=torch.float16)  # as shipped: fp16 on disk
+    cfg = dict(init_from=str(tmp_path / "base-drafter"))
+    # block size may change: the block runs γ rows of the same weights
+    start = train_drafter(train_target, feature_cache, dataclasses.replace(
+        _cfg(tmp_path / "warm", 4, **cfg), block_size=3), time_budget_s=0)
+    for name, tensor in base.state_dict().items():
+        torch.testing.assert_close(start.state_dict()[name], tensor, atol=1e-3, rtol=1e-3, msg=name)
+    cold = train_drafter(train_target, feature_cache, _cfg(tmp_path / "cold", 4), time_budget_s=0)
+    assert not torch.allclose(cold.state_dict()["fc.weight"], base.state_dict()["fc.weight"])
+    # the warm run resumes from its own state (the checkpoint is read once), and only with the same origin
+    train_drafter(train_target, feature_cache, dataclasses.replace(_cfg(tmp_path / "warm", 4, **cfg), block_size=3))
+    assert torch.load(tmp_path / "warm" / "training_state.pt", weights_only=True)["step"] == 4
+    with pytest.raises(ConfigError, match="init_from"):
+        train_drafter(train_target, feature_cache, dataclasses.replace(_cfg(tmp_path / "warm", 5), block_size=3))
+
+
+def test_warm_start_from_another_architecture_is_refused_by_name(train_target, feature_cache, tmp_path):
+    from dspark_export.modeling.checkpoint import save_drafter
+
+    base = train_drafter(train_target, feature_cache, _cfg(tmp_path / "base", 2))
+    save_drafter(base, tmp_path / "base-drafter")
+    with pytest.raises(ConfigError, match=r"markov_rank \(checkpoint 8, run 4\)"):
+        train_drafter(train_target, feature_cache, dataclasses.replace(
+            _cfg(tmp_path / "warm", 2, init_from=str(tmp_path / "base-drafter")), markov_rank=4))
+    assert not (tmp_path / "warm" / "training_state.pt").exists()

@@ -69,6 +69,7 @@ class TrainConfig:
     log_every: int = 10
     threads: int = 0
     draft_vocab: int | None = None  #: N of the d2t passed to `train_drafter`; None = the full vocabulary
+    init_from: str | None = None  #: a trained drafter folder to start from (warm start); None = `init_drafter`
 
     def __post_init__(self):
         if self.variant not in ("dspark", "dflash"):
@@ -131,6 +132,36 @@ def lr_path_from_metrics(path: str | Path) -> Callable[[int], float]:
     return lambda i: float(np.interp(i + 1, xs, ys))
 
 
+#: Drafter config fields a warm start may change: none of them shapes a trained tensor (the block runs γ rows of
+#: the same weights; anchors are a training-batch size).
+_WARM_START_FREE = {"block_size", "num_anchors", "is_trained"}
+
+
+def _warm_start(drafter: DSparkDrafter, target, folder: Path) -> None:
+    """Copy a trained drafter's tensors (e.g. the shipped one, fp16 on disk) into ``drafter``, whose config
+    must equal the checkpoint's up to `_WARM_START_FREE`; the shared embedding and head stay the target's.
+
+    Raises:
+        ConfigError: the checkpoint's architecture differs (the fields named, both values).
+        CheckpointError: the folder is not a loadable drafter (`load_drafter`'s errors).
+    """
+    from ..modeling.checkpoint import load_drafter
+
+    source = load_drafter(folder, target)
+    differ = [(f.name, getattr(source.config, f.name), getattr(drafter.config, f.name))
+              for f in dataclasses.fields(drafter.config)
+              if f.compare and f.name not in _WARM_START_FREE
+              and getattr(source.config, f.name) != getattr(drafter.config, f.name)]
+    if differ:
+        raise ConfigError(f"--init-from {folder}: the checkpoint's architecture differs from this run's in "
+                          + ", ".join(f"{k} (checkpoint {a!r}, run {b!r})" for k, a, b in differ))
+    with torch.no_grad():
+        shared = {n for n, p in drafter.named_parameters() if not p.requires_grad}
+        for name, tensor in source.state_dict().items():
+            if name not in shared:
+                drafter.state_dict()[name].copy_(tensor)
+
+
 def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Callable[[str], None] | None = None,
                   *, stop_at: int | None = None, time_budget_s: float | None = None,
                   lr_schedule: Callable[[int], float] | None = None, d2t=None,
@@ -175,18 +206,22 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
             raise ConfigError(f"{eval_cache.folder}: the τ evaluation needs greedy (temperature 0) records among its "
                               f"first {n} sequences, found none")
     drafter = init_drafter(target, dcfg, seed=cfg.seed).train()
+    state_path = out / "training_state.pt"
+    if cfg.init_from and not state_path.is_file():
+        _warm_start(drafter, target, Path(cfg.init_from))
+        say(f"warm start from {cfg.init_from}")
     params = [p for p in drafter.parameters() if p.requires_grad]
     frozen = {n for n, p in drafter.named_parameters() if not p.requires_grad}
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     rng = np.random.default_rng(cfg.seed)
     step, prior_s, eval_s = 0, 0.0, 0.0
-    state_path = out / "training_state.pt"
     cfg_dict = dataclasses.asdict(cfg)
     if state_path.is_file():
         state = torch.load(state_path, weights_only=True)
         saved = {k: v for k, v in state["config"].items() if k not in ("steps", "save_every", "log_every", "threads")}
         mine = {k: v for k, v in cfg_dict.items() if k not in ("steps", "save_every", "log_every", "threads")}
         saved.setdefault("draft_vocab", None)  # states written before the draft-vocabulary loss
+        saved.setdefault("init_from", None)  # states written before warm starts
         if saved != mine:
             raise ConfigError(f"{state_path}: saved for another config; differing fields "
                               f"{sorted(k for k in mine if saved.get(k) != mine[k])}")
