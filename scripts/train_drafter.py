@@ -156,6 +156,9 @@ def cmd_features(args, say):
         taps = args.taps or default_target_layer_ids(target.config.num_hidden_layers)
     for part in ("train", "calibration"):
         records = read_records(Path(args.run) / "data" / f"{part}.jsonl")
+        if args.limit is not None and len(records) > args.limit:
+            say(f"{part}: the first {args.limit} of {len(records)} records (--limit); a later call grows the cache")
+            records = records[:args.limit]
         say(f"{part}: {len(records)} records, taps {list(taps)}")
         build_feature_cache(target, records, taps, Path(args.run) / "features" / part,
                             dtype=getattr(torch, args.dtype), progress=say)
@@ -346,6 +349,8 @@ def parse_args(argv=None):
     p.add_argument("--engine", help="engine directory: features from its target graph as the engines compute "
                                     "them (the default build's int4), instead of the transformers target")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --engine")
+    p.add_argument("--limit", type=int, help="the first N records of each part at most (train on a cache while the "
+                                             "data still grows; the same command without it completes the cache)")
     p = sub.add_parser("train", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--variant", default="dspark", choices=["dspark", "dflash"])

@@ -24,9 +24,20 @@ def test_train_script_stages(tiny_target_dir, tmp_path):
                  "--batch", "2", "--sampled-fraction", "0.5"]) == 0
     lines = (tmp_path / "run" / "data" / "train.jsonl").read_text().splitlines()
     assert 1 <= len(lines) <= 3 and all(len(json.loads(x)["response_ids"]) <= 12 for x in lines)
-    assert main(["features", *run, "--dtype", "float32"]) == 0
+    assert main(["features", *run, "--dtype", "float32", "--limit", "1"]) == 0  # a first slice of the data
+    meta = json.loads((tmp_path / "run" / "features" / "train" / "meta.json").read_text())
+    assert meta["complete"] and meta["num_records"] == 1
+    assert main(["features", *run, "--dtype", "float32"]) == 0  # then the cache grows to all of it
+    meta = json.loads((tmp_path / "run" / "features" / "train" / "meta.json").read_text())
+    assert meta["complete"] and meta["num_records"] == len(lines)
     assert main(["train", *run, "--name", "d", "--steps", "2", "--seqs-per-step", "1", "--anchors-per-seq", "4",
                  "--markov-rank", "8"]) == 0
+    # a warm start from that drafter at another block size
+    assert main(["train", *run, "--name", "i", "--init-from", str(tmp_path / "run" / "d" / "drafter"), "--steps", "1",
+                 "--seqs-per-step", "1", "--anchors-per-seq", "4", "--markov-rank", "8", "--block-size", "5"]) == 0
+    assert read_drafter_config(tmp_path / "run" / "i" / "drafter").block_size == 5
+    assert main(["train", *run, "--name", "j", "--init-from", str(tmp_path / "run" / "d" / "drafter"),
+                 "--steps", "1", "--markov-rank", "4"]) == 2
     assert main(["calibrate", *run, "--name", "d", "--stride", "1"]) == 0
     summary = json.loads((tmp_path / "run" / "d" / "calibration" / "summary.json").read_text())
     assert summary["acceptance_length"] >= 1 and len(summary["sts"]["confidence_temperature"]) == 7
