@@ -131,15 +131,18 @@ def test_warm_start_begins_from_the_checkpoint_and_resumes_as_its_own_run(train_
     save_drafter(base, tmp_path / "base-drafter", dtype=torch.float16)  # as shipped: fp16 on disk
     cfg = dict(init_from=str(tmp_path / "base-drafter"))
     # block size may change: the block runs γ rows of the same weights
+    ev = dict(eval_cache=feature_cache, eval_stride=3, eval_limit=4)
     start = train_drafter(train_target, feature_cache, dataclasses.replace(
-        _cfg(tmp_path / "warm", 4, **cfg), block_size=3), time_budget_s=0)
+        _cfg(tmp_path / "warm", 4, **cfg), block_size=3), time_budget_s=0, **ev)
     for name, tensor in base.state_dict().items():
         torch.testing.assert_close(start.state_dict()[name], tensor, atol=1e-3, rtol=1e-3, msg=name)
     cold = train_drafter(train_target, feature_cache, _cfg(tmp_path / "cold", 4), time_budget_s=0)
     assert not torch.allclose(cold.state_dict()["fc.weight"], base.state_dict()["fc.weight"])
     # the warm run resumes from its own state (the checkpoint is read once), and only with the same origin
-    train_drafter(train_target, feature_cache, dataclasses.replace(_cfg(tmp_path / "warm", 4, **cfg), block_size=3))
+    train_drafter(train_target, feature_cache, dataclasses.replace(_cfg(tmp_path / "warm", 4, **cfg), block_size=3), **ev)
     assert torch.load(tmp_path / "warm" / "training_state.pt", weights_only=True)["step"] == 4
+    rows = _rows(tmp_path / "warm" / "checkpoints.jsonl")  # the starting point's τ is step 0
+    assert [r["step"] for r in rows] == [0, 2, 4] and all(1 <= r["tau"] <= 4 for r in rows)
     with pytest.raises(ConfigError, match="init_from"):
         train_drafter(train_target, feature_cache, dataclasses.replace(_cfg(tmp_path / "warm", 5), block_size=3))
 

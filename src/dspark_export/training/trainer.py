@@ -207,7 +207,8 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                               f"first {n} sequences, found none")
     drafter = init_drafter(target, dcfg, seed=cfg.seed).train()
     state_path = out / "training_state.pt"
-    if cfg.init_from and not state_path.is_file():
+    warmed = bool(cfg.init_from) and not state_path.is_file()
+    if warmed:
         _warm_start(drafter, target, Path(cfg.init_from))
         say(f"warm start from {cfg.init_from}")
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -276,6 +277,8 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     lse_memo: dict[int, np.ndarray] = {}  # sequence index → the target's full-vocabulary logsumexp [T]
 
     t0, seen = time.perf_counter(), 0
+    if warmed:
+        save()  # step 0: the starting point's τ on this run's features and γ, the baseline the run is read against
     eta = Eta(cfg.steps, start=step)
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as log:
         rng_at_step_start = None
