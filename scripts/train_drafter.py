@@ -80,12 +80,13 @@ class RuntimeResponder:
         self.tokenizer = self.runtime.tokenizer
         self.name = f"engine:{Path(engine_dir).name}:{policy}"
 
-    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0):
+    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0, on_result=None):
         from dspark_export.runtime.request import SamplingParams
 
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, top_p=top_p if t else 1.0, seed=s)
                   for t, s in zip(temperatures, seeds)]
-        return [(list(r.token_ids), r.finish_reason) for r in self.runtime.generate_ids(prompts, params)]
+        done = None if on_result is None else (lambda i, r: on_result(i, (list(r.token_ids), r.finish_reason)))
+        return [(list(r.token_ids), r.finish_reason) for r in self.runtime.generate_ids(prompts, params, done)]
 
 
 def cmd_data(args, say):

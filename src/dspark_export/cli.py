@@ -273,7 +273,7 @@ def cmd_generate(args) -> int:
     valid = [i for i, (_, err) in enumerate(items) if err is None]
     bar = tqdm(total=len(valid), desc="generate", unit="prompt", file=sys.stderr, disable=len(valid) < 2)
     done = iter(rt.generate_text([items[i][0] for i in valid], params, chat=args.chat,
-                                 on_finish=lambda index: bar.update(1)))
+                                 on_finish=lambda index, result: bar.update(1)))
     bar.close()
     results = [next(done) if err is None else GenerationResult(finish_reason="error", error=err, text="")
                for _, err in items]

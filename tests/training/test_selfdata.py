@@ -64,7 +64,7 @@ class _Scripted:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts, self.calls = tokenizer, list(texts), []
 
-    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0):
+    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0, on_result=None):
         self.calls.append(len(prompts))
         out = []
         for _ in prompts:
@@ -106,6 +106,38 @@ def test_self_prompts_drop_evaluation_prompts_and_duplicates_and_resume(tiny_tar
                                                                  return_dict=False))
 
 
+class _Interrupted(_Scripted):
+    """Streams its first `land` answers through on_result, then dies as a killed process would."""
+
+    def __init__(self, tokenizer, land):
+        super().__init__(tokenizer, [])
+        self.land = land
+
+    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0, on_result=None):
+        outs = super().generate(prompts, temperatures, seeds, max_new_tokens, top_p)
+        for i in reversed(range(len(prompts))[-self.land:]):  # in finish order, not prompt order
+            on_result(i, outs[i])
+        raise KeyboardInterrupt
+
+
+def test_answers_land_as_they_finish_and_an_interrupted_call_loses_only_those_in_flight(tiny_target_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    jobs = [{"dataset": "d", "row": k, "messages": [{"role": "user", "content": f"question {k}"}]} for k in range(6)]
+    out = tmp_path / "train.jsonl"
+    kw = dict(max_new_tokens=8, max_prompt_tokens=384, sampled_fraction=0.0, temperature=1.0, seed=0,
+              concurrency=6, say=lambda line: None, what="t")
+    with pytest.raises(KeyboardInterrupt):
+        selfdata._answer(_Interrupted(tok, 2), jobs, out, **kw)
+    assert [r["row"] for r in read_records(out)] == [5, 4]  # on disk before the call died
+    with out.open("a") as f:
+        f.write('{"dataset": "d", "ro')  # and a write cut off mid-line
+    responder = _Scripted(tok, [])
+    assert selfdata._answer(responder, jobs, out, **kw) == 4
+    assert responder.calls == [4] and sorted(r["row"] for r in read_records(out)) == list(range(6))
+
+
 class _RuntimeWithStops:
     """The script's RuntimeResponder on a tiny random engine, with extra stop ids so that a random model's
     outputs end with a stop (as a real target's do) and pass the filters."""
@@ -115,13 +147,14 @@ class _RuntimeWithStops:
         self.tokenizer, self.name = self.inner.tokenizer, self.inner.name
         self.stops = tuple(range(40, 100))
 
-    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0):
+    def generate(self, prompts, temperatures, seeds, max_new_tokens, top_p=1.0, on_result=None):
         from dspark_export.runtime.request import SamplingParams
 
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, top_p=top_p if t else 1.0, seed=s,
                                  stop_token_ids=self.stops)
                   for t, s in zip(temperatures, seeds)]
-        return [(list(r.token_ids), r.finish_reason) for r in self.inner.runtime.generate_ids(prompts, params)]
+        done = None if on_result is None else (lambda i, r: on_result(i, (list(r.token_ids), r.finish_reason)))
+        return [(list(r.token_ids), r.finish_reason) for r in self.inner.runtime.generate_ids(prompts, params, done)]
 
 
 @pytest.fixture(scope="module")

@@ -211,13 +211,14 @@ class Generator:
         self.batch.release_finished()
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 on_finish: Callable[[int], None] | None = None) -> list[GenerationResult]:
+                 on_finish: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
         """Generate for every prompt (continuous batching); a bad request fails alone.
 
         Args:
             prompts: token ids per request.
             params: sampling parameters per request (same length as prompts).
-            on_finish: called with the prompt's position when it finishes (progress reporting).
+            on_finish: called as on_finish(position, result) when a prompt finishes (progress, results
+                written as they land).
         Returns:
             one GenerationResult per prompt, in order.
         """
@@ -225,7 +226,7 @@ class Generator:
 
         def finished(request_id, tokens, result):
             if result.finish_reason is not None and on_finish is not None:
-                on_finish(position[request_id])
+                on_finish(position[request_id], result)
 
         for i, (p, sp) in enumerate(zip(prompts, params)):
             position[self.batch.next_id] = i  # the id submit is about to assign (single submitting thread)

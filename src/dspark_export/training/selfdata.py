@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 
 import json
+import os
 import random
 import re
 import time
@@ -80,8 +81,11 @@ class Responder(Protocol):
     name: str
 
     def generate(self, prompts: list[list[int]], temperatures: list[float], seeds: list[int],
-                 max_new_tokens: int, top_p: float = 1.0) -> list[tuple[list[int], str]]:
-        """(generated ids, finish reason "stop" | "length" | other) per prompt, all prompts in flight at once."""
+                 max_new_tokens: int, top_p: float = 1.0,
+                 on_result: Callable[[int, tuple[list[int], str]], None] | None = None) -> list[tuple[list[int], str]]:
+        """(generated ids, finish reason "stop" | "length" | other) per prompt, all prompts in flight at once;
+        a responder that can also hands each one to `on_result(position, (ids, reason))` as it finishes, so
+        answers are written as they land and an interrupted call loses only those still in flight."""
         ...
 
 
@@ -150,6 +154,15 @@ class PromptFilter:
 
 
 def _append_jsonl(path: Path, rows: list[dict]) -> None:
+    """Append rows, one line each; a truncated last line (an interrupted write) is cut off first, so it never
+    becomes a bad line in the middle of the file."""
+    if path.is_file() and path.stat().st_size:
+        with path.open("rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.seek(0)
+                data = f.read()
+                f.truncate(data.rfind(b"\n") + 1)
     with path.open("a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
@@ -206,20 +219,29 @@ def _answer(responder: Responder, jobs: list[dict], out_path: Path, *, max_new_t
     eta = Eta(len(todo))
     for lo in range(0, len(todo), concurrency):
         chunk = todo[lo:lo + concurrency]
+        landed: set[int] = set()
+
+        def land(i: int, out: tuple[list[int], str]) -> None:
+            nonlocal tokens, written
+            if i in landed:
+                return
+            landed.add(i)
+            (job, ids, sampled), (response, finish) = chunk[i], out
+            if finish not in ("stop", "length", "capacity") or not response:
+                return  # an error: not a training record (retried on the next run)
+            tokens += len(response)
+            written += 1
+            _append_jsonl(out_path, [{"dataset": job["dataset"], "row": job["row"],
+                                      "temperature": temperature if sampled else 0.0, "dtype": responder.name,
+                                      "prompt_ids": ids, "response_ids": list(response), "finish_reason": finish,
+                                      "prompt_text": job["messages"][-1]["content"],
+                                      **({"turns": len(job["messages"])} if len(job["messages"]) > 1 else {})}])
+
         outs = responder.generate([ids for _, ids, _ in chunk], [temperature if s else 0.0 for _, _, s in chunk],
                                   [_key_seed(seed, "answer", j["dataset"], j["row"]) for j, _, _ in chunk],
-                                  max_new_tokens)
-        rows = []
-        for (job, ids, sampled), (response, finish) in zip(chunk, outs):
-            if finish not in ("stop", "length", "capacity") or not response:
-                continue  # an error: not a training record (retried on the next run)
-            tokens += len(response)
-            rows.append({"dataset": job["dataset"], "row": job["row"], "temperature": temperature if sampled else 0.0,
-                         "dtype": responder.name, "prompt_ids": ids, "response_ids": list(response),
-                         "finish_reason": finish, "prompt_text": job["messages"][-1]["content"],
-                         **({"turns": len(job["messages"])} if len(job["messages"]) > 1 else {})})
-        _append_jsonl(out_path, rows)
-        written += len(rows)
+                                  max_new_tokens, on_result=land)
+        for i, out in enumerate(outs):  # what a responder that does not stream returned at the end
+            land(i, out)
         say(f"{what}: {eta.text(min(lo + concurrency, len(todo)))} prompts, {tokens} tokens, "
             f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
     return written
