@@ -351,7 +351,8 @@ def parse_args(argv=None):
                                     "them (the default build's int4), instead of the transformers target")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --engine")
     p.add_argument("--limit", type=int, help="the first N records of each part at most (train on a cache while the "
-                                             "data still grows; the same command without it completes the cache)")
+                                             "data still grows; the same command without it completes the cache). "
+                                             "Records are in the order they finished, not prompt order")
     p = sub.add_parser("train", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--variant", default="dspark", choices=["dspark", "dflash"])

@@ -138,6 +138,16 @@ def test_answers_land_as_they_finish_and_an_interrupted_call_loses_only_those_in
     assert responder.calls == [4] and sorted(r["row"] for r in read_records(out)) == list(range(6))
 
 
+def test_a_whole_last_row_without_its_newline_is_kept(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n' + '{"b": "' + "x" * 70000 + '"}')  # longer than the backwards scan's block
+    selfdata._append_jsonl(path, [{"c": 3}])
+    assert [list(json.loads(x)) for x in path.read_text().splitlines()] == [["a"], ["b"], ["c"]]
+    path.write_text('{"a": 1')  # no newline anywhere: nothing whole to keep
+    selfdata._append_jsonl(path, [{"c": 3}])
+    assert path.read_text() == '{"c": 3}\n'
+
+
 class _RuntimeWithStops:
     """The script's RuntimeResponder on a tiny random engine, with extra stop ids so that a random model's
     outputs end with a stop (as a real target's do) and pass the filters."""

@@ -122,6 +122,11 @@ def test_feature_cache_grows_with_appended_records(train_target, records, tmp_pa
     assert len(cache) == 10 and (tmp_path / "part-00000" / "aux.npy").stat().st_mtime_ns == stamp
     for i in (4, 5, 9):
         assert cache[i].tokens.tolist() == records[i]["prompt_ids"] + records[i]["response_ids"]
+    stamps = {q.name: q.stat().st_mtime_ns for q in tmp_path.glob("part-*/aux.npy")}
+    with pytest.raises(ConfigError, match="holds 10 records but this run gives 6"):  # a cache never shrinks
+        build_feature_cache(model, records[:6], ids, tmp_path, part_size=4, dtype=torch.float32)
+    assert len(FeatureCache(tmp_path)) == 10
+    assert {q.name: q.stat().st_mtime_ns for q in tmp_path.glob("part-*/aux.npy")} == stamps
 
 
 def test_warm_start_begins_from_the_checkpoint_and_resumes_as_its_own_run(train_target, feature_cache, tmp_path):
@@ -145,6 +150,17 @@ def test_warm_start_begins_from_the_checkpoint_and_resumes_as_its_own_run(train_
     assert [r["step"] for r in rows] == [0, 2, 4] and all(1 <= r["tau"] <= 4 for r in rows)
     with pytest.raises(ConfigError, match="init_from"):
         train_drafter(train_target, feature_cache, dataclasses.replace(_cfg(tmp_path / "warm", 5), block_size=3))
+
+
+def test_a_warm_start_cut_off_before_its_first_step_still_logs_step_0(train_target, feature_cache, tmp_path):
+    from dspark_export.modeling.checkpoint import save_drafter
+
+    save_drafter(train_drafter(train_target, feature_cache, _cfg(tmp_path / "base", 2)), tmp_path / "base-drafter")
+    cfg = _cfg(tmp_path / "warm", 2, init_from=str(tmp_path / "base-drafter"))
+    train_drafter(train_target, feature_cache, cfg, time_budget_s=0)  # state at step 0, no τ logged (no cache)
+    ev = dict(eval_cache=feature_cache, eval_stride=3, eval_limit=4)
+    train_drafter(train_target, feature_cache, cfg, **ev)
+    assert [r["step"] for r in _rows(tmp_path / "warm" / "checkpoints.jsonl")] == [0, 2]
 
 
 def test_warm_start_from_another_architecture_is_refused_by_name(train_target, feature_cache, tmp_path):

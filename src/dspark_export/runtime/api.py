@@ -91,7 +91,8 @@ class Runtime:
 
     def generate_text(self, prompts: list[str], params: SamplingParams | list[SamplingParams],
                       chat: bool = False, on_finish=None) -> list[GenerationResult]:
-        """Encode, generate, decode. A prompt that cannot be encoded fails alone."""
+        """Encode, generate, decode. A prompt that cannot be encoded fails alone. `on_finish(position, result)`
+        sees the result as the generator finished it (ids and finish reason; `text` is set on return)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids, errors = [], {}
         for i, p in enumerate(prompts):

@@ -125,6 +125,10 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
             if old.get(key) != meta[key]:
                 raise ConfigError(f"{out}/meta.json: {key} is {old.get(key)!r} but this run uses {meta[key]!r}; "
                                   "use another folder")
+        if len(records) < old.get("num_records", 0):
+            raise ConfigError(f"{out}/meta.json: the cache holds {old['num_records']} records but this run gives "
+                              f"{len(records)}; a cache only grows (records are append-only): give at least "
+                              f"{old['num_records']}")
     t0, done_tokens = time.perf_counter(), 0
     starts = range(0, len(records), part_size)
     def complete(start: int) -> bool:

@@ -154,19 +154,41 @@ class PromptFilter:
 
 
 def _append_jsonl(path: Path, rows: list[dict]) -> None:
-    """Append rows, one line each; a truncated last line (an interrupted write) is cut off first, so it never
+    """Append rows, one line each. A last line without its newline (an interrupted write) is finished first:
+    kept with a newline if it is a whole JSON row (readers already count it), cut off if not, so it never
     becomes a bad line in the middle of the file."""
-    if path.is_file() and path.stat().st_size:
-        with path.open("rb+") as f:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.seek(0)
-                data = f.read()
-                f.truncate(data.rfind(b"\n") + 1)
+    _end_last_line(path)
     with path.open("a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
         f.flush()
+
+
+def _end_last_line(path: Path, block: int = 1 << 16) -> None:
+    if not path.is_file() or not path.stat().st_size:
+        return
+    with path.open("rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        pos = end
+        while pos > 0:  # back to the last newline, a block at a time
+            lo = max(0, pos - block)
+            f.seek(lo)
+            chunk = f.read(pos - lo)
+            k = chunk.rfind(b"\n")
+            if k >= 0:
+                pos = lo + k + 1
+                break
+            pos = lo
+        f.seek(pos)
+        try:
+            json.loads(f.read().decode("utf-8"))
+        except ValueError:
+            f.truncate(pos)
+        else:
+            f.write(b"\n")
 
 
 def _read_jsonl(path: Path) -> list[dict]:

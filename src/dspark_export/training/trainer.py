@@ -277,7 +277,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     lse_memo: dict[int, np.ndarray] = {}  # sequence index → the target's full-vocabulary logsumexp [T]
 
     t0, seen = time.perf_counter(), 0
-    if warmed:
+    if cfg.init_from and step == 0 and (eval_cache is None or 0 not in logged):
         save()  # step 0: the starting point's τ on this run's features and γ, the baseline the run is read against
     eta = Eta(cfg.steps, start=step)
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as log:
