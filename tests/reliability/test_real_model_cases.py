@@ -31,6 +31,11 @@ def _run(rt, policy, prompt, n, drafter=None, **params):
     return gen.generate([prompt], [SamplingParams(max_new_tokens=n, **params)])[0]
 
 
+def _full_block(rt) -> str:
+    """fixed:γ, every draft of the shipped drafter's block verified."""
+    return f"fixed:{rt.engines.manifest.runtime['block_size']}"
+
+
 def test_sd03_chat_template_special_tokens(real_rt):
     """SD-03: the chat template's special tokens are single ids in the prompt (not spelled out), and
     spec output equals non-spec greedy for the same ids."""
@@ -38,7 +43,7 @@ def test_sd03_chat_template_special_tokens(real_rt):
     im_start = real_rt.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert ids.count(im_start) >= 2
     ref = _run(real_rt, "ar", ids, 48).token_ids
-    for policy in ("dspark", "fixed:7"):
+    for policy in ("dspark", _full_block(real_rt)):
         assert _run(real_rt, policy, ids, 48).token_ids == ref, policy
 
 
@@ -62,7 +67,7 @@ def test_sd14_stop_strings_on_real_text(real_rt):
     for stop in stops:
         ref = _run(real_rt, "ar", ids, 64, stop=(stop,))
         assert ref.finish_reason == "stop" and ref.stop_reason == stop
-        for policy in ("dspark", "fixed:7"):
+        for policy in ("dspark", _full_block(real_rt)):
             r = _run(real_rt, policy, ids, 64, stop=(stop,))
             assert r.token_ids == ref.token_ids and r.stop_reason == stop, (policy, stop)
         cut = real_rt.text_of(ref)
