@@ -33,7 +33,7 @@ BUILD_EXAMPLES = """examples:
 """
 GENERATE_EXAMPLES = """examples:
   dspark-export generate --engine-dir engines/smollm2 --chat --prompt "What is 12*7?"
-  dspark-export generate --engine-dir engines/smollm2 --prompts-file prompts.jsonl --chat --json --policy fixed:7
+  dspark-export generate --engine-dir engines/smollm2 --prompts-file prompts.jsonl --chat --json --policy fixed:5
   dspark-export generate --engine-dir engines/smollm2 --prompt "Once upon" --temperature 0.8 --seed 1
 """
 BENCH_EXAMPLES = """examples:

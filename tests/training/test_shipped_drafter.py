@@ -22,7 +22,7 @@ def test_a_drafter_ships_for_the_default_target():
 def test_shipped_drafter_format():
     cfg = read_drafter_config(SHIPPED)
     assert cfg.is_trained and cfg.model_type == "llama" and cfg.vocab_size == 49152 and cfg.hidden_size == 576
-    assert cfg.num_target_layers == 30 and cfg.block_size == 7
+    assert cfg.num_target_layers == 30 and cfg.block_size == 5
     size = sum(p.stat().st_size for p in SHIPPED.iterdir())
     assert size <= 25 * 2**20, f"shipped drafter is {size / 2**20:.1f} MiB (limit 25)"
     with safe_open(str(SHIPPED / "model.safetensors"), "pt") as f:
@@ -30,7 +30,7 @@ def test_shipped_drafter_format():
         assert not set(names) & set(SHARED_EMBEDDING_NAMES)
         assert {str(f.get_slice(n).get_dtype()) for n in names} == {"F16"}
     temps = read_calibration(SHIPPED, cfg.block_size)
-    assert temps is not None and len(temps) == 7
+    assert temps is not None and len(temps) == 5
     info = json.loads((SHIPPED / "calibration.json").read_text())
     assert info["mean_ece_after"] <= info["mean_ece_before"]
 
@@ -49,4 +49,4 @@ def test_calibration_bias_is_read_and_checked(tmp_path):
         (tmp_path / "calibration.json").write_text(json.dumps({"confidence_bias": bad}))
         with pytest.raises(ConfigError, match="confidence_bias"):
             read_calibration_bias(tmp_path, 3)
-    assert read_calibration_bias(SHIPPED, 7) is not None and len(read_calibration_bias(SHIPPED, 7)) == 7
+    assert read_calibration_bias(SHIPPED, 5) is not None and len(read_calibration_bias(SHIPPED, 5)) == 5
