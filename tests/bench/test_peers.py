@@ -150,3 +150,31 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_repeats_interleave_rounds_and_report_per_round_ratios(engine_dir, monkeypatch):
+    """--repeats 3: every system runs every prompt three times, systems in reverse order on the middle round;
+    a prompt's time is its median over rounds, and each row carries its ratio to ar round by round."""
+    order = []
+    real = peers._ours
+
+    def spy(rt, policy):
+        fn = real(rt, policy)
+        return lambda ids, n: (order.append(policy), fn(ids, n))[1]
+
+    monkeypatch.setattr(peers, "_ours", spy)
+    cfg = PeersBenchConfig(engine_dir, prompts=PROMPTS, max_new_tokens=6, systems=("ar", "dspark"),
+                           policies=("fixed:2",), repeats=3, warmup=False)
+    result = run_peers_bench(cfg)
+    assert order == ["ar", "fixed:2"] * 2 + ["fixed:2", "ar"] * 2 + ["ar", "fixed:2"] * 2
+    rows = {r["system"]: r for r in result["results"]}
+    spec = rows["dspark-export fixed:2"]
+    assert len(spec["round_ratios_to_ar"]) == 3 and all(r > 0 for r in spec["round_ratios_to_ar"])
+    assert "round_ratios_to_ar" not in rows["dspark-export ar"]
+    assert spec["identical_to_ar"] is True and result["config"]["repeats"] == 3
+    assert "per round ×ar" in peers.markdown_table(result)
+
+
+def test_repeats_out_of_range_is_named(engine_dir):
+    with pytest.raises(ConfigError, match="repeats: expected an integer in \\[1, 100\\], found 0"):
+        PeersBenchConfig(engine_dir, prompts=PROMPTS, repeats=0)

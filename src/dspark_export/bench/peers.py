@@ -22,7 +22,10 @@ prompt at a time, `max_new_tokens` at most and stops at the model's EOS. All sys
 first (one unmeasured short generation each), then timed interleaved: prompt 1 on every system, then prompt 2,
 ..., so a change in machine load during the run falls on every system alike. Per prompt the wall time of the
 whole call (prefill included) is measured with `time.perf_counter`; ``tokens_per_s`` = Σ generated tokens /
-Σ wall time.
+Σ wall time. With `repeats` > 1 the whole interleaved pass runs that many rounds (systems in reverse order on
+every other round, so none always follows the same neighbour); a prompt's wall time is its median over the
+rounds, and each row also gives ``round_ratios_to_ar``: its tokens/s over ``ar``'s in each round alone, the
+spread a ratio carries on this machine.
 ``identical_to_ar`` says whether its tokens equal dspark-export ``ar``'s (fp32 on different kernels can
 legitimately differ in near-ties; dspark-export's own policies must be identical).
 """
@@ -80,6 +83,7 @@ class PeersBenchConfig:
         threads: CPU threads of every system.
         prompt_lookup_tokens: `prompt_lookup_num_tokens` of transformers-pld.
         warmup: one unmeasured short generation per system.
+        repeats: interleaved rounds over all prompts; per-prompt wall time = the median over rounds.
     """
 
     engine_dir: str | Path
@@ -98,6 +102,7 @@ class PeersBenchConfig:
     gguf: str | Path | None = None
     threads: int = 2
     prompts_per_dataset: int = 1
+    repeats: int = 1
 
     def __post_init__(self):
         from ..runtime.policies import parse_policy
@@ -132,6 +137,8 @@ class PeersBenchConfig:
             raise ConfigError("prompts: expected non-empty strings")
         if not is_int(self.threads) or not 1 <= self.threads <= 4 * (os.cpu_count() or 1):
             raise ConfigError(f"threads: expected an integer in [1, {4 * (os.cpu_count() or 1)}], found {self.threads!r}")
+        if not is_int(self.repeats) or not 1 <= self.repeats <= 100:
+            raise ConfigError(f"repeats: expected an integer in [1, 100], found {self.repeats!r}")
         if not is_int(self.prompt_lookup_tokens) or self.prompt_lookup_tokens < 1:
             raise ConfigError(f"prompt_lookup_tokens: expected an integer >= 1, found {self.prompt_lookup_tokens!r}")
 
@@ -143,17 +150,27 @@ class PeersBenchConfig:
                 "ortgenai_int4_model": str(self.ortgenai_int4_model) if self.ortgenai_int4_model else None,
                 "gguf": str(self.gguf) if self.gguf else None, "threads": self.threads,
                 "datasets": list(self.datasets), "prompts_per_dataset": self.prompts_per_dataset,
-                "prompt_lookup_tokens": self.prompt_lookup_tokens, "warmup": self.warmup}
+                "prompt_lookup_tokens": self.prompt_lookup_tokens, "warmup": self.warmup, "repeats": self.repeats}
 
 
 @dataclass
 class _Run:
+    """One system's generations: `tokens` per prompt (first round), `rounds` [round][prompt] wall seconds."""
     tokens: list[list[int]] = field(default_factory=list)
-    wall_s: list[float] = field(default_factory=list)
+    rounds: list[list[float]] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> list[float]:
+        """Per-prompt wall time: the median over rounds."""
+        return [float(np.median(w)) for w in zip(*self.rounds)]
 
     def row(self, system: str, ar: "_Run | None", **extra) -> dict:
         total_tokens, total_s = sum(len(t) for t in self.tokens), sum(self.wall_s)
         identical = None if ar is None else all(a == b for a, b in zip(self.tokens, ar.tokens))
+        if ar is not None and len(self.rounds) > 1:  # tokens/s over ar's, round by round
+            ar_tokens = sum(len(t) for t in ar.tokens)
+            extra["round_ratios_to_ar"] = [round((total_tokens / sum(w)) / (ar_tokens / sum(a)), 3)
+                                           for w, a in zip(self.rounds, ar.rounds)]
         diverge = [None] * len(self.tokens) if ar is None else [first_divergence(a, b) for a, b in zip(self.tokens, ar.tokens)]
         return {"system": system, "tokens_per_s": round(total_tokens / total_s, 3) if total_s > 0 else None,
                 "tokens": total_tokens, "wall_s": round(total_s, 4),
@@ -397,16 +414,24 @@ def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | Non
             systems.append((label, fn, extra))
 
     runs = {label: _Run() for label, _, _ in systems}
-    bar = tqdm(total=len(systems) * len(prompts), desc="bench peers", unit="gen", file=sys.stderr, disable=None)
+    bar = tqdm(total=cfg.repeats * len(systems) * len(prompts), desc="bench peers", unit="gen", file=sys.stderr,
+               disable=None)
     try:
-        for ids in prompts:
-            for label, fn, _ in systems:
-                bar.set_postfix_str(label)
-                t0 = time.perf_counter()
-                out = fn(ids, cfg.max_new_tokens)
-                runs[label].wall_s.append(time.perf_counter() - t0)
-                runs[label].tokens.append(list(out))
-                bar.update(1)
+        for k in range(cfg.repeats):
+            for run in runs.values():
+                run.rounds.append([])
+            for ids in prompts:
+                for label, fn, _ in (systems if k % 2 == 0 else systems[::-1]):
+                    bar.set_postfix_str(f"round {k + 1}: {label}")
+                    t0 = time.perf_counter()
+                    out = list(fn(ids, cfg.max_new_tokens))
+                    runs[label].rounds[-1].append(time.perf_counter() - t0)
+                    if k == 0:
+                        runs[label].tokens.append(out)
+                    elif label.startswith("dspark-export") and out != runs[label].tokens[len(runs[label].rounds[-1]) - 1]:
+                        raise RequestError(f"{label}: round {k + 1} generated other tokens than round 1 for prompt "
+                                           f"{len(runs[label].rounds[-1]) - 1} (greedy decoding must repeat)")
+                    bar.update(1)
     finally:
         bar.close()
     ar_run = runs["dspark-export ar"]
@@ -478,6 +503,9 @@ def markdown_table(result: dict) -> str:
         tps = f"{r['tokens_per_s']:.2f}" if r.get("tokens_per_s") else "–"
         ratio = f"{r['ratio_to_ar']:.2f}" if r.get("ratio_to_ar") else "–"
         note = r.get("skipped") or (f"best of {', '.join(r['best_of'])}: {r['policy']}" if r.get("best_of") else "")
+        if r.get("round_ratios_to_ar"):
+            rr = r["round_ratios_to_ar"]
+            note = (note + "; " if note else "") + f"per round ×ar {min(rr):.2f}–{max(rr):.2f}"
         agree = "–"
         if r.get("prompts_identical_to_ar") is not None:
             diverged = [p["first_divergence"] for p in r["per_prompt"] if p.get("first_divergence") is not None]
@@ -501,7 +529,9 @@ def write_reports(result: dict, out_dir: str | Path) -> dict[str, Path]:
         "# Peer benchmark (single user, greedy, same prompts, one run)", "",
         f"- engine directory `{result['engine_dir']}`; {len(cfg['prompts'])} prompt(s), max_new_tokens "
         f"{cfg['max_new_tokens']}, chat template {cfg['chat']}; machine {result['machine']}",
-        "- tokens/s = Σ generated tokens / Σ per-prompt wall time (prefill included), after one warm-up", "",
+        "- tokens/s = Σ generated tokens / Σ per-prompt wall time (prefill included), after one warm-up"
+        + (f"; per-prompt time = median of {cfg['repeats']} interleaved rounds" if cfg.get("repeats", 1) > 1 else ""),
+        "",
         markdown_table(result), ""]))
     paths["figure"].write_bytes(peers_figure(result))
     return paths

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of every system (2)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
                         help="prompt_lookup_num_tokens of transformers-pld (10)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="interleaved rounds over all prompts; per-prompt time = the median over rounds, and "
+                             "each ratio to ar is also given per round (1)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up generation")
     parser.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     parser.add_argument("--out-dir", type=Path, default=None, help="write peers.json, peers.md and peers.png here")
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> str:
                            systems=tuple(args.systems), policies=tuple(args.policies), hf_model=args.hf_model,
                            ortgenai_model=args.ortgenai_model, prompt_lookup_tokens=args.prompt_lookup_tokens,
                            warmup=not args.no_warmup, ortgenai_int4_model=args.ortgenai_int4_model, gguf=args.gguf,
-                           threads=args.threads, prompts_per_dataset=args.prompts_per_dataset)
+                           threads=args.threads, prompts_per_dataset=args.prompts_per_dataset,
+                           repeats=args.repeats)
     result = run_peers_bench(cfg, progress)
     write_outputs(result, args, write_reports, progress)
     return markdown_table(result)
