@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""Paired A/B of drafters: one policy on several engine directories that share a target, against `ar`, in one
+process, interleaved per prompt.
+
+The engine directories must hold the same target graphs (a drafter change only), so `ar` runs once (on the
+first) and every system must reproduce its tokens. For each round, prompt by prompt, every system generates
+(systems in reverse order on every other round); prints per system the tokens/s over the per-prompt medians
+and its ratio to `ar` in each round, and whether its tokens equal ar's. The prompts are the first
+`--prompts-per-dataset` first turns of each dataset (chat template), as `bench peers` takes them.
+
+    python scripts/ab_drafters.py --engine-dirs /tmp/eng/v2,/tmp/eng/v3 --policy dspark-async --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine-dirs", required=True, help="comma-separated engine directories (same target)")
+    p.add_argument("--policy", default="dspark-async")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--datasets", default="gsm8k,humaneval,mt-bench")
+    p.add_argument("--prompts-per-dataset", type=int, default=7)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--datasets-dir", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+
+    from dspark_export.datasets import default_datasets_dir, read_dataset
+    from dspark_export.runtime.api import Runtime
+    from dspark_export.runtime.generator import Generator
+    from dspark_export.runtime.policies import parse_policy
+    from dspark_export.runtime.request import SamplingParams
+
+    folder = Path(args.datasets_dir) if args.datasets_dir else default_datasets_dir()
+    prompts = [q for name in args.datasets.split(",")
+               for q in read_dataset(folder / f"{name}.jsonl")[:args.prompts_per_dataset]]
+    dirs = args.engine_dirs.split(",")
+    runtimes = {d: Runtime.open(d, policy="ar", threads=args.threads) for d in dirs}
+    ids = [runtimes[dirs[0]].encode(q, True) for q in prompts]
+    systems = [("ar", dirs[0])] + [(args.policy, d) for d in dirs]
+    gens = {}
+    for policy, d in systems:
+        gens[(policy, d)] = Generator(runtimes[d].engines, parse_policy(policy))
+        gens[(policy, d)].generate([ids[0]], [SamplingParams(max_new_tokens=4)])   # warm-up
+    wall = {s: np.zeros((args.rounds, len(ids))) for s in systems}
+    tokens: dict = {s: {} for s in systems}
+    params = [SamplingParams(max_new_tokens=args.max_new_tokens)]
+    for k in range(args.rounds):
+        for i, x in enumerate(ids):
+            for s in (systems if k % 2 == 0 else systems[::-1]):
+                t0 = time.perf_counter()
+                [r] = gens[s].generate([x], params)
+                wall[s][k, i] = time.perf_counter() - t0
+                tokens[s][i] = list(r.token_ids)
+    ref = tokens[systems[0]]
+    n = sum(len(t) for t in ref.values())
+    ar_rounds = wall[systems[0]].sum(axis=1)
+    for s in systems:
+        ratios = [round(float(a / w), 3) for a, w in zip(ar_rounds, wall[s].sum(axis=1))]
+        print(f"{s[0]:14s} {s[1]}: {n / np.median(wall[s], axis=0).sum():6.2f} tok/s, ×ar per round {ratios}, "
+              f"identical to ar {all(tokens[s][i] == ref[i] for i in ref)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
