@@ -11,7 +11,7 @@ import pytest
 from dspark_export.bench import peers
 from dspark_export.bench.peers import PeersBenchConfig, run_peers_bench
 from dspark_export.cli import main as cli_main
-from dspark_export.errors import ConfigError
+from dspark_export.errors import ConfigError, RequestError
 
 BUCKETS = dict(target_buckets=(1, 2, 4, 8), request_buckets=(1, 2), max_context=64, profile_context=16,
                profile_repeats=2, block_size=4, markov_rank=8)
@@ -178,3 +178,26 @@ def test_repeats_interleave_rounds_and_report_per_round_ratios(engine_dir, monke
 def test_repeats_out_of_range_is_named(engine_dir):
     with pytest.raises(ConfigError, match="repeats: expected an integer in \\[1, 100\\], found 0"):
         PeersBenchConfig(engine_dir, prompts=PROMPTS, repeats=0)
+
+
+def test_repeats_refuse_ours_generating_other_tokens_in_a_later_round(engine_dir, monkeypatch):
+    real, calls = peers._ours, {"n": 0}
+
+    def drifting(rt, policy):
+        fn = real(rt, policy)
+        if policy == "ar":
+            return fn
+
+        def gen(ids, n):
+            calls["n"] += 1
+            out = list(fn(ids, n))
+            return out if calls["n"] <= len(PROMPTS) else out[:-1]   # round 2 drops a token
+
+        return gen
+
+    monkeypatch.setattr(peers, "_ours", drifting)
+    cfg = PeersBenchConfig(engine_dir, prompts=PROMPTS, max_new_tokens=6, systems=("ar", "dspark"),
+                           policies=("fixed:2",), repeats=2, warmup=False)
+    with pytest.raises(RequestError, match="dspark-export fixed:2: round 2 generated other tokens than round 1 "
+                                           "for prompt 0"):
+        run_peers_bench(cfg)

@@ -420,7 +420,7 @@ def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | Non
         for k in range(cfg.repeats):
             for run in runs.values():
                 run.rounds.append([])
-            for ids in prompts:
+            for i, ids in enumerate(prompts):
                 for label, fn, _ in (systems if k % 2 == 0 else systems[::-1]):
                     bar.set_postfix_str(f"round {k + 1}: {label}")
                     t0 = time.perf_counter()
@@ -428,9 +428,9 @@ def run_peers_bench(cfg: PeersBenchConfig, progress: Callable[[str], None] | Non
                     runs[label].rounds[-1].append(time.perf_counter() - t0)
                     if k == 0:
                         runs[label].tokens.append(out)
-                    elif label.startswith("dspark-export") and out != runs[label].tokens[len(runs[label].rounds[-1]) - 1]:
+                    elif label.startswith("dspark-export") and out != runs[label].tokens[i]:
                         raise RequestError(f"{label}: round {k + 1} generated other tokens than round 1 for prompt "
-                                           f"{len(runs[label].rounds[-1]) - 1} (greedy decoding must repeat)")
+                                           f"{i} (greedy decoding must repeat)")
                     bar.update(1)
     finally:
         bar.close()
