@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -32,33 +31,26 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
 
-    from dspark_export.datasets import default_datasets_dir, read_dataset
+    from dspark_export.bench.peers import PeersBenchConfig, _ours
     from dspark_export.runtime.api import Runtime
-    from dspark_export.runtime.generator import Generator
-    from dspark_export.runtime.policies import parse_policy
-    from dspark_export.runtime.request import SamplingParams
 
-    folder = Path(args.datasets_dir) if args.datasets_dir else default_datasets_dir()
-    prompts = [q for name in args.datasets.split(",")
-               for q in read_dataset(folder / f"{name}.jsonl")[:args.prompts_per_dataset]]
     dirs = args.engine_dirs.split(",")
+    prompts = PeersBenchConfig(dirs[0], datasets=tuple(args.datasets.split(",")), datasets_dir=args.datasets_dir,
+                               prompts_per_dataset=args.prompts_per_dataset).prompts   # as bench peers takes them
     runtimes = {d: Runtime.open(d, policy="ar", threads=args.threads) for d in dirs}
     ids = [runtimes[dirs[0]].encode(q, True) for q in prompts]
     systems = [("ar", dirs[0])] + [(args.policy, d) for d in dirs]
-    gens = {}
-    for policy, d in systems:
-        gens[(policy, d)] = Generator(runtimes[d].engines, parse_policy(policy))
-        gens[(policy, d)].generate([ids[0]], [SamplingParams(max_new_tokens=4)])   # warm-up
+    gens = {(policy, d): _ours(runtimes[d], policy) for policy, d in systems}   # one Generator per system
+    for gen in gens.values():
+        gen(ids[0], 4)   # warm-up
     wall = {s: np.zeros((args.rounds, len(ids))) for s in systems}
     tokens: dict = {s: {} for s in systems}
-    params = [SamplingParams(max_new_tokens=args.max_new_tokens)]
     for k in range(args.rounds):
         for i, x in enumerate(ids):
             for s in (systems if k % 2 == 0 else systems[::-1]):
                 t0 = time.perf_counter()
-                [r] = gens[s].generate([x], params)
+                tokens[s][i] = list(gens[s](x, args.max_new_tokens))
                 wall[s][k, i] = time.perf_counter() - t0
-                tokens[s][i] = list(r.token_ids)
     ref = tokens[systems[0]]
     n = sum(len(t) for t in ref.values())
     ar_rounds = wall[systems[0]].sum(axis=1)
