@@ -28,6 +28,7 @@ from dspark_export.engines.packing import Segment, pack_segments
 from dspark_export.engines.profiler import fit_layout_cost
 from dspark_export.runtime.kv_cache import KVCache
 from dspark_export.engines.sps import ThroughputProfile
+from dspark_export.exporter.quantize import KEY_CHUNK
 
 
 def layouts(slots: int, width: int) -> list[tuple[int, list[int]]]:
@@ -57,8 +58,9 @@ def main(argv=None) -> int:
         capacities = [int(c) for c in args.capacities.split(",")]
     except ValueError:
         ap.error(f"--capacities: expected integers like 256,1024, found {args.capacities!r}")
-    if any(not width < c <= max_context for c in capacities):
-        ap.error(f"--capacities: each must lie in ({width}, {max_context}] (max_context), found {capacities}")
+    if any(c <= width or c % KEY_CHUNK for c in capacities):
+        ap.error(f"--capacities: each must be a multiple of {KEY_CHUNK} (KV buffers are, `quantize.aligned`) above "
+                 f"{width}, found {capacities}")
     buckets = eng.buckets("target")
     profile = ThroughputProfile.from_json(json.loads((args.engine_dir / data["profile"]["path"]).read_text()))
     slots = max(1, min(eng.buckets("drafter_block")[-1], buckets[-1] // width))
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
                 continue
             n = eng.bucket_for("target", sum(q))          # the engine the runtime runs for these rows
             if (s, cap) not in caches:                    # one cache per (S, P), shared by its layouts
-                kv = KVCache(spec["num_layers"], s, spec["num_kv_heads"], spec["head_dim"], max_context, cap)
+                kv = KVCache(spec["num_layers"], s, spec["num_kv_heads"], spec["head_dim"], max(cap, max_context), cap)
                 kv.lens[:] = cap - width
                 for buf in kv.keys + kv.values:   # written pages, as a serving cache's (np.zeros maps one zero page)
                     buf.fill(0.01)
@@ -77,8 +79,8 @@ def main(argv=None) -> int:
             kv = caches[(s, cap)]
             packed = pack_segments([Segment(i, np.full(k, 5, np.int64), cap - width) for i, k in enumerate(q)], s,
                                    kv.lens, n)
-            feed = {**packed.feed, **kv.feed("past_key", "past_value")}
-            cases.append({"S": s, "rows": q, "P": cap, "B": sum(q), "N": n, "Q": int(packed.feed["pad_index"].shape[1]),
+            feed = {**packed.feed, **kv.feed("past_key", "past_value", width=int(packed.feed["pad_index"].shape[1]))}
+            cases.append({"S": s, "rows": q, "P": int(feed["past_key.0"].shape[2]), "B": sum(q), "N": n, "Q": int(packed.feed["pad_index"].shape[1]),
                           "_run": (eng.runner_exact("target", n), feed), "_t": []})
     for _ in range(args.repeats):
         for c in cases:

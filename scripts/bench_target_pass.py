@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from dspark_export.runtime.kv_cache import aligned
+
 
 def feed_for(session, rows: int, context: int, capacity: int) -> dict:
     """The target contract's feed: one request, `rows` new tokens after `context` cached ones."""
@@ -23,6 +25,7 @@ def feed_for(session, rows: int, context: int, capacity: int) -> dict:
                 position_ids=np.arange(context, context + rows, dtype=np.int64),
                 query_start=np.array([0, rows], np.int64), cache_lens=np.array([context], np.int64),
                 pad_index=np.arange(rows, dtype=np.int64)[None], logit_rows=np.arange(rows, dtype=np.int64))
+    capacity = aligned(max(capacity, context + rows))   # as the runtime's cache holds it (exact attention's contract)
     rng = np.random.default_rng(0)
     for i in session.get_inputs():
         if i.name.startswith(("past_key.", "past_value.")):

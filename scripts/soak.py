@@ -111,11 +111,10 @@ def make_records(encode, texts: list[str], policies: list[str], n: int, min_new:
 
 
 def kv_capacity(needed: int, max_context: int, initial: int = 256) -> int:
-    """The capacity a `KVCache` reaches for `needed` entries (doubling from `initial`, capped)."""
-    c = min(initial, max_context)
-    while c < needed:
-        c = min(max_context, 2 * c)
-    return c
+    """The capacity a `KVCache` reaches for `needed` entries (`kv_cache.aligned`, from `initial`)."""
+    from dspark_export.runtime.kv_cache import aligned
+
+    return max(aligned(min(initial, max_context)), aligned(needed))
 
 
 def prewarm(rt, slots: int, capacity: int) -> None:
@@ -131,8 +130,8 @@ def prewarm(rt, slots: int, capacity: int) -> None:
     g, V = int(dspec["block_size"]), int(eng.manifest.runtime["vocab_size"])
     S = eng.bucket_for("drafter_block", slots)
 
-    def kv(spec, key, value, n=S):
-        shape = (n, spec["num_kv_heads"], capacity, spec["head_dim"])
+    def kv(spec, key, value, n=S, entries=capacity):
+        shape = (n, spec["num_kv_heads"], entries, spec["head_dim"])
         return {f"{name}.{i}": np.zeros(shape, np.float32) for i in range(spec["num_layers"]) for name in (key, value)}
 
     for N in eng.buckets("target"):
@@ -142,7 +141,8 @@ def prewarm(rt, slots: int, capacity: int) -> None:
         for seg in segs:
             lens[seg.slot] = seg.start_position
         packed = pack_segments(segs, S, lens, N)
-        eng.runner_exact("target", N).infer({**packed.feed, **kv(tspec, "past_key", "past_value")})
+        entries = kv_capacity(capacity - 1 + packed.feed["pad_index"].shape[1], capacity)  # room for the padded width
+        eng.runner_exact("target", N).infer({**packed.feed, **kv(tspec, "past_key", "past_value", entries=entries)})
     for N in eng.buckets("drafter_context"):
         eng.runner_exact("drafter_context", N).infer({
             "aux_hidden": np.zeros((N, graphs["drafter_context"]["spec"]["feature_size"]), np.float32),

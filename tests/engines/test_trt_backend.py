@@ -57,8 +57,8 @@ def test_every_bucket_gets_a_consistent_profile(engine_dir, plan):
             for p in POINTS:
                 assert profile.values[p][profile.dim] == profile.bucket
     target = plan["graphs"]["target"]["profiles"][-1]  # N = 16
-    assert target.values["max"] | {} == {"N": 16, "R": 4, "Q": 16, "M": 16, "P": 64, "V": 256, "key_len": 80}
-    assert target.values["opt"]["P"] == CONTEXT + 5 and target.values["opt"]["R"] == 4  # ceil(16 / (γ+1)), γ = 4
+    assert target.values["max"] | {} == {"N": 16, "R": 4, "Q": 16, "M": 16, "P": 128, "V": 256, "key_len": 144}   # P: aligned(64 + 16)
+    assert target.values["opt"]["P"] == 128 and target.values["opt"]["R"] == 4  # aligned(CONTEXT + 5); ceil(16 / 5)
     for p in POINTS:  # batch identical across inputs, query_start one longer, key length = past + query
         s = target.shapes[p]
         assert s["query_start"][0] == s["cache_lens"][0] + 1 == s["pad_index"][0] + 1 == s["past_key.0"][0] + 1

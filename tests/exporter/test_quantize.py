@@ -184,7 +184,7 @@ def test_quantized_graph_tracks_the_float_one(tiny_target, weights):
     std, spec = build_target_graph(tiny_target, TAPS, "fp32")
     quant, _ = build_target_graph(tiny_target, TAPS, weights)
     segs, lens, bucket = _mixed(spec)
-    past = _past(spec, 4, 24)
+    past = _past(spec, 4, 128)   # the quantized graph reads the cache in KEY_CHUNK chunks
     feed = _feed(spec, segs, 4, lens, bucket, past)
     a, b = _run(_session(std), feed), _run(_session(quant), feed)
     corr = np.corrcoef(a["logits"].ravel(), b["logits"].ravel())[0, 1]
@@ -200,7 +200,7 @@ def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
     proto, spec = build_target_graph(tiny_llama, TAPS, fmt, fused)
     sess = _session(proto)
     rng = np.random.default_rng(3)
-    past = _past(spec, 4, 32)
+    past = _past(spec, 4, 128)
     mine = Segment(0, np.array([17]), 9)
     others = [Segment(1, rng.integers(0, spec.vocab_size, 8), 20),
               Segment(2, rng.integers(0, spec.vocab_size, 12), 0), Segment(3, rng.integers(0, spec.vocab_size, 1), 30)]
@@ -218,8 +218,10 @@ def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
 
 # (start, block capacity, decode capacity, block threads, decode threads, batch mate's past length in the block
 # run / decode runs): the second layout has more than 256 keys (MLAS splits long GEMM reductions by thread
-# layout), different capacities and thread counts per run, and a batch mate whose context sets a longer key axis
-LAYOUTS = {"short": (13, 40, 40, 2, 2, 4, 4), "long-other-capacity-threads": (300, 320, 640, 2, 1, 4, 500)}
+# layout), different capacities and thread counts per run, a batch mate far past the request, and a block whose
+# new keys straddle a KEY_CHUNK boundary (start 124 + 7 rows)
+LAYOUTS = {"short": (13, 128, 256, 2, 2, 4, 4), "straddle": (124, 256, 384, 2, 2, 4, 4),
+           "long-other-capacity-threads": (300, 384, 640, 2, 1, 4, 500)}
 
 
 @pytest.fixture(scope="module")
@@ -298,22 +300,22 @@ def test_builds_refuse_contexts_beyond_the_exact_attention():
 
 
 def test_profile_records_the_attended_keys(quant_engine_dir, float_engine_dir):
-    """The layout each bucket was timed at records the key entries the pass attends: the KV capacity for fp32,
-    the live context rounded up to KEY_CHUNK for the quantized graphs' exact attention (`attended_keys`)."""
+    """The layout each bucket was timed at records the key entries the pass attends: the KV capacity, as the
+    runtime's cache holds it (`kv_cache.aligned`: a multiple of KEY_CHUNK with room for the past and the
+    padded query width), for fp32 and the quantized graphs alike."""
     import json
 
-    from dspark_export.exporter.quantize import KEY_CHUNK, attended_keys
+    from dspark_export.runtime.kv_cache import aligned
 
-    assert attended_keys("fp32", 256, 100, 8) == 256
-    assert [attended_keys("int4", 256, n, 8) for n in (0, 120, 121, 300)] == [128, 128, 256, 384]
     weights, engine_dir = quant_engine_dir
-    for folder, exact in ((engine_dir, True), (float_engine_dir, False)):
+    for folder in (engine_dir, float_engine_dir):
         sps = json.loads((folder / "profile" / "sps.json").read_text())
         ctx = sps["context_len"]
         for row in sps["target"]:
-            capacity = ctx + sps["block_size"] + 1
-            expected = -(-(ctx + row["Q"]) // KEY_CHUNK) * KEY_CHUNK if exact else capacity
-            assert row["P"] == expected, (folder.name, row)
+            assert row["P"] == aligned(max(ctx + sps["block_size"] + 1, ctx + row["Q"])), (folder.name, row)
+        for row in sps["attention"]["layouts"]:
+            assert row["P"] % 128 == 0, row
+        assert len({row["P"] for row in sps["attention"]["layouts"]}) >= 2   # the fit needs two capacities
 
 
 @pytest.mark.parametrize("policy", ["fixed:4", "fixed:1", "threshold:0.4", "dspark", "dspark-async"])
@@ -409,3 +411,25 @@ def test_tensorrt_lowering_refuses_a_quantized_graph_by_name(tiny_llama):
     proto, _ = build_target_graph(tiny_llama, TAPS, "int4")
     with pytest.raises(BuildError, match=r"MatMulNBits.*--weights fp32"):
         lower_model(proto, "target")
+
+
+def test_engine_features_on_quantized_engines_equal_a_pass_over_a_longer_cache(quant_engine_dir):
+    """`EngineFeatures` (the drafter's training features) runs the quantized target over an empty cache of
+    aligned(T) entries (its exact attention places the T new keys inside the cache's key axis); the features
+    equal, bit for bit, a pass over a cache one chunk longer, for sequences inside one chunk and across one."""
+    from dspark_export.engines.target_features import EngineFeatures
+    from dspark_export.exporter.quantize import aligned
+
+    _, engine_dir = quant_engine_dir
+    source = EngineFeatures(engine_dir, threads=1)
+    runner = source.session
+    for T in sorted({1, 60, min(200, source.max_tokens)}):
+        tokens = np.random.default_rng(T).integers(0, 256, T)
+        aux, last = source.features(tokens)
+        rows = np.arange(T, dtype=np.int64)
+        empty = np.zeros((1, source._kv_heads, aligned(T) + 128, source._head_dim), np.float32)
+        feed = {"input_ids": tokens.astype(np.int64), "position_ids": rows, "query_start": np.array([0, T]),
+                "cache_lens": np.zeros(1, np.int64), "pad_index": rows[None, :], "logit_rows": rows,
+                **{f"past_{kv}.{l}": empty for l in range(source._layers) for kv in ("key", "value")}}
+        np.testing.assert_array_equal(runner.run(["aux_hidden"], feed)[0], aux)
+        assert aux.shape[0] == T and last.shape == (T, source.hidden_size)

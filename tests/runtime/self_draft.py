@@ -70,7 +70,8 @@ class TargetDrafter:
             segments = [Segment(s.slot, np.array([prev[s.slot]], np.int64), s.start + j, "last") for s in live]
             runner = gen.engines.runner("target", len(segments))
             packed = pack_segments(segments, S, cache_lens, runner.key.bucket)
-            out = gen.stages.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value")})
+            width = packed.feed["pad_index"].shape[1]
+            out = gen.stages.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", width=width)})
             for s in live:
                 row, lrow = packed.row_start[s.slot], packed.logit_start[s.slot]
                 pos = int(cache_lens[s.slot])

@@ -104,8 +104,8 @@ def test_a_prefill_chunk_next_to_decode_rows_runs_over_its_slot_alone(runtime, p
     assert alone[3][:len(long_prompt)].tolist() == long_prompt      # the whole chunk, in the one-slot pass
     cache = gen.target_kv.keys[0]
     assert np.shares_memory(shared[4], cache)                                          # a view, no copy
-    # the slot alone, trimmed to its valid entries (0 here) rounded up to 64: a copy, not the whole capacity
-    assert not np.shares_memory(alone[4], cache) and alone[4].shape[2] == min(64, gen.target_kv.capacity)
+    # the slot alone ([1, kvH, P, D]), trimmed to its valid entries (0 here) plus its chunk, rounded up to KEY_CHUNK
+    assert alone[4].shape[:3] == (1, cache.shape[1], 128) and alone[4].flags.c_contiguous
     while gen.has_work():
         gen.step()
     for rid, prompt, n in ((first, PROMPTS[0], 16), (second, PROMPTS[1], 16), (third, long_prompt, 10)):

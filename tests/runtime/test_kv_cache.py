@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from dspark_export.runtime.kv_cache import KVCache
+from dspark_export.exporter.quantize import KEY_CHUNK
+from dspark_export.runtime.kv_cache import KVCache, aligned
 
 
 def _rows(n, layers=2, heads=2, dim=3, offset=0.0):
@@ -38,47 +39,70 @@ def test_capacity_limit():
 
 
 
-def test_feed_trims_one_slot_to_its_valid_entries_rounded_up_to_64():
+def test_capacities_are_multiples_of_the_key_chunk():
+    """The quantized target reads the cache in KEY_CHUNK chunks in place (`exporter.target._exact_attention`):
+    every capacity is a positive multiple of it, and growth stops at the next one that holds the entries."""
+    cache = KVCache(1, 1, 1, 1, max_capacity=1000, initial_capacity=2)
+    assert cache.capacity == KEY_CHUNK
+    cache.reserve(KEY_CHUNK + 1)
+    assert cache.capacity == 2 * KEY_CHUNK
+    cache.reserve(999)
+    assert cache.capacity == 8 * KEY_CHUNK        # 1024: past max_capacity, which bounds entries, not the buffer
+    assert [aligned(n) for n in (0, 1, 128, 129)] == [128, 128, 128, 256]
+
+
+def test_feed_leaves_room_for_the_query_width_past_the_longest_slot():
+    """The exact attention scatters a pass's new keys at lens[r] + j for every padded row j < Q: the feed grows
+    the buffer so that max lens + Q fits, past max_capacity if need be (a slot near its limit beside a long
+    prefill chunk), without touching what the slots hold."""
+    cache = KVCache(2, 2, 2, 3, max_capacity=130, initial_capacity=128)
+    k, v = _rows(126)
+    cache.append(np.zeros(126, np.int64), k, v)
+    before = cache.keys[1][0, :, :126].copy()
+    assert cache.feed("k", "v", width=2)["k.0"].shape == (2, 2, 128, 3)
+    assert cache.attended(3) == 256
+    fed = cache.feed("k", "v", width=64)
+    assert fed["v.1"].shape == (2, 2, 256, 3) and cache.capacity == 256 and cache.lens.tolist() == [126, 0]
+    np.testing.assert_array_equal(cache.keys[1][0, :, :126], before)
+
+
+def test_feed_trims_one_slot_to_its_entries_and_chunk_rounded_up():
     cache = KVCache(2, 3, 2, 3, max_capacity=512, initial_capacity=256)
     k, v = _rows(70)
     cache.append(np.full(70, 1, np.int64), k, v)                      # slot 1: 70 valid entries
     full = cache.feed("k", "v")
     assert full["k.0"].shape == (3, 2, 256, 3) and np.shares_memory(full["k.0"], cache.keys[0])
-    view = cache.feed("k", "v", slot=1)
-    assert view["v.1"].shape == (1, 2, 256, 3) and np.shares_memory(view["v.1"], cache.values[1])
-    trimmed = cache.feed("k", "v", slot=1, trim=True)
+    trimmed = cache.feed("k", "v", slot=1, width=8)
     assert set(trimmed) == set(full)
     for name, buf in [("k.0", cache.keys[0]), ("v.1", cache.values[1])]:
         t = trimmed[name]
         assert t.shape == (1, 2, 128, 3) and t.flags.c_contiguous and not np.shares_memory(t, buf)
-        np.testing.assert_array_equal(t[0], buf[1, :, :128])         # the valid 70 rows and padding to 128
-    assert cache.feed("k", "v", slot=0, trim=True)["k.0"].shape == (1, 2, 64, 3)   # empty slot: 64
-    small = KVCache(2, 1, 2, 3, max_capacity=96, initial_capacity=96)
-    small.append(np.zeros(70, np.int64), k, v)                       # ⌈70/64⌉·64 = 128 > capacity 96
-    assert small.feed("k", "v", slot=0, trim=True)["k.1"].shape == (1, 2, 96, 3)
+        np.testing.assert_array_equal(t[0], buf[1, :, :128])         # the valid 70 rows and the rest to 128
+    assert cache.feed("k", "v", slot=1, width=59)["k.0"].shape == (1, 2, 256, 3)   # 70 + 59 > 128
+    assert cache.feed("k", "v", slot=0, width=1)["k.0"].shape == (1, 2, 128, 3)   # empty slot: one chunk
 
 
 def test_shrink_halves_to_the_longest_live_slot_and_keeps_its_entries():
-    cache = KVCache(2, 3, 2, 3, max_capacity=64, initial_capacity=4)
-    k, v = _rows(40)
-    cache.append(np.zeros(40, np.int64), k, v)                        # slot 0: 40 entries → capacity 40
+    cache = KVCache(2, 3, 2, 3, max_capacity=2048, initial_capacity=128)
+    k, v = _rows(1000)
+    cache.append(np.zeros(1000, np.int64), k, v)                      # slot 0: 1000 entries → capacity 1024
     cache.append(np.array([2, 2, 2]), *_rows(3, offset=7.0))
-    assert cache.capacity == 40
-    assert not cache.shrink()                                         # 40 > 40 / 4: stays
-    cache.reset(0)                                                    # longest live slot now 3
-    expected = cache.keys[1][2, :, :3].copy()
-    assert cache.shrink() and cache.capacity == 10                    # 40 → 20 → 10; 4 · 3 > 10 stops it
-    assert cache.keys[0].shape == (3, 2, 10, 3) and cache.lens.tolist() == [0, 0, 3]
-    np.testing.assert_array_equal(cache.keys[1][2, :, :3], expected)
-    assert not cache.shrink()
+    assert cache.capacity == 1024
+    assert not cache.shrink()                                         # 1000 > 1024 / 4: stays
+    cache.reset(0)
+    cache.append(np.full(100, 2, np.int64), *_rows(100))              # longest live slot now 103
+    expected = cache.keys[1][2, :, :103].copy()
+    assert cache.shrink() and cache.capacity == 256                   # 1024 → 512 → 256; 4 · 103 > 256 stops it
+    assert cache.keys[0].shape == (3, 2, 256, 3) and cache.lens.tolist() == [0, 0, 103]
+    np.testing.assert_array_equal(cache.keys[1][2, :, :103], expected)
     cache.reset(2)
-    assert cache.shrink() and cache.capacity == 4                     # never below the initial capacity
-    cache.append(np.zeros(10, np.int64), *_rows(10))                 # and it grows again
-    assert cache.capacity >= 10 and cache.lens.tolist() == [10, 0, 0]
+    assert cache.shrink() and cache.capacity == 128                   # never below the initial capacity
+    cache.append(np.zeros(200, np.int64), *_rows(200))               # and it grows again
+    assert cache.capacity == 256 and cache.lens.tolist() == [200, 0, 0]
 
 
 def test_shrink_with_no_slots_returns_to_the_initial_capacity():
     cache = KVCache(1, 0, 1, 1, max_capacity=1024, initial_capacity=256)
     cache.reserve(1000)
-    assert cache.capacity == 1000
+    assert cache.capacity == 1024
     assert cache.shrink() and cache.capacity == 256 and cache.keys[0].shape == (0, 1, 256, 1)

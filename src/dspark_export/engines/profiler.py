@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from ..exporter.quantize import attended_keys
+from ..exporter.quantize import KEY_CHUNK, aligned
 from .engine_set import EngineSet
 from .packing import Segment, pack_segments
 
@@ -88,18 +88,19 @@ def _target_feed(spec: dict, bucket: int, context_len: int, block: int) -> dict:
 
 def _layout_feed(spec: dict, sizes: list[int], num_slots: int, capacity: int, context_len: int, bucket: int) -> dict:
     """Segments of `sizes` rows in the first slots of `num_slots`, each at past length `context_len`, over
-    written KV buffers (`_kv_feed`) of `capacity` entries per slot, packed into `bucket` rows."""
+    written KV buffers (`_kv_feed`) of `capacity` entries per slot (grown as the runtime's cache grows:
+    `quantize.aligned`, room for the padded query width), packed into `bucket` rows."""
     segments = [Segment(r, np.ones(q, np.int64), context_len) for r, q in enumerate(sizes)]
     packed = pack_segments(segments, num_slots, np.full(num_slots, context_len, np.int64), bucket)
+    capacity = aligned(max(capacity, context_len + packed.feed["pad_index"].shape[1]))
     return {**packed.feed, **_kv_feed(spec, num_slots, capacity, "past_key", "past_value")}
 
 
 def _layout_of(feed: dict, spec: dict) -> dict:
-    """{"S", "Q", "P"} of a target feed: slots, padded query width, key entries attended per slot
-    (`exporter.quantize.attended_keys`: the KV capacity, or the live context with exact attention)."""
+    """{"S", "Q", "P"} of a target feed: slots, padded query width, key entries attended per slot (the KV
+    capacity)."""
     s, q = feed["pad_index"].shape
-    p = attended_keys(spec.get("weights", "fp32"), feed["past_key.0"].shape[2], feed["cache_lens"].max(), q)
-    return {"S": int(s), "Q": int(q), "P": p}
+    return {"S": int(s), "Q": int(q), "P": int(feed["past_key.0"].shape[2])}
 
 
 def _block_feed(spec: dict, num: int, context_len: int, block: int) -> dict:
@@ -168,8 +169,8 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
 
     Layouts (w = γ + 1 rows per verification, S_max = the most slots a step can have): one slot of w
     rows; S_max slots of 1 row; S_max slots of which two verify w rows; 2 slots of w rows; each at KV
-    capacity P1 = context_len + w and P2 = min(max(4 · P1, 1024), max_context), at past length P - w. Why
-    P2 ≥ 1024: the cost per entry grows past the caches' reach (SmolLM2: a fit up to P = 544 predicted
+    capacity P1 = context_len + w and P2 = min(max(4 · P1, 1024), max_context), both rounded up to KEY_CHUNK
+    as the runtime's cache is (P2 at least P1 + KEY_CHUNK), at past length P - w. Why P2 ≥ 1024: the cost per entry grows past the caches' reach (SmolLM2: a fit up to P = 544 predicted
     the P = 1,024 layouts up to 33 % low, `scripts/bench_layout_cost.py`). Layouts that
     do not fit the largest bucket are left out. Negative coefficients (noise on a model whose attention
     costs nothing measurable) are set to 0 after the fit. Where the layouts cannot identify both
@@ -192,8 +193,8 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
     buckets = engines.buckets("target")
     s_max = max(1, min(engines.buckets("drafter_block")[-1], buckets[-1] // w))
     shapes = [(1, [w]), (s_max, [1] * s_max), (s_max, [w, w]), (2, [w, w])]
-    p1 = context_len + w
-    capacities = sorted({p1, max(p1, min(max(4 * p1, 1024), int(runtime["max_context"])))})
+    p1 = aligned(context_len + w)
+    capacities = [p1, max(p1 + KEY_CHUNK, aligned(min(max(4 * p1, 1024), int(runtime["max_context"]))))]
     rows = []
     for cap in capacities:
         for num, sizes in shapes:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..exporter.quantize import EXACT_MAX_KEYS
+from ..exporter.quantize import EXACT_MAX_KEYS, aligned
 from .manifest import Manifest
 
 __all__ = ["EngineFeatures"]
@@ -102,7 +102,10 @@ class EngineFeatures:
                               f"{'position range' if self.weights == 'fp32' else 'position range and exact attention'}"
                               f"), found {T}; cut it shorter (build_feature_cache's max_tokens)")
         rows = np.arange(T, dtype=np.int64)
-        empty = np.zeros((1, self._kv_heads, 0, self._head_dim), np.float32)
+        # an empty cache; the quantized graphs' exact attention places the T new keys inside the cache's key
+        # axis, so theirs holds aligned(T) (unwritten) entries (exporter/target.py, the I/O contract)
+        entries = 0 if self.weights == "fp32" else aligned(T)
+        empty = np.zeros((1, self._kv_heads, entries, self._head_dim), np.float32)
         feed = {"input_ids": ids, "position_ids": rows, "query_start": np.array([0, T], np.int64),
                 "cache_lens": np.zeros(1, np.int64), "pad_index": rows[None, :], "logit_rows": rows,
                 **{f"past_{kv}.{l}": empty for l in range(self._layers) for kv in ("key", "value")}}

@@ -32,7 +32,7 @@ import onnx
 from ..errors import ConfigError
 from .builder import MS_DOMAIN
 
-__all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "KEY_CHUNK", "EXACT_MAX_KEYS", "attended_keys",
+__all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "KEY_CHUNK", "EXACT_MAX_KEYS", "aligned",
            "check_exact_context", "quantize_blocks", "dequantize_blocks", "matmul_nbits", "gather_block_quantized",
            "share_quantized_embedding", "VIEW_DOC", "MS_DOMAIN"]
 
@@ -54,6 +54,12 @@ KEY_CHUNK = 128   #: keys per partial P·V product of the quantized target's exa
 EXACT_MAX_KEYS = KEY_CHUNK * KEY_CHUNK
 
 
+def aligned(entries: int) -> int:
+    """`entries` rounded up to a positive multiple of KEY_CHUNK: the KV buffer length every target feed uses
+    (the exact attention reads the cache in KEY_CHUNK chunks in place; `runtime.kv_cache`)."""
+    return max(1, -(-int(entries) // KEY_CHUNK)) * KEY_CHUNK
+
+
 def check_exact_context(weights: str, max_context: int, largest_bucket: int) -> None:
     """Refuse a quantized build whose passes could attend more than EXACT_MAX_KEYS keys (a past of up to
     max_context - 1 entries plus a query of up to the largest bucket's rows).
@@ -66,15 +72,6 @@ def check_exact_context(weights: str, max_context: int, largest_bucket: int) -> 
                           f"the {EXACT_MAX_KEYS} keys the {weights} target's exact attention keeps exact (speculative "
                           f"output would no longer equal ar's); pass --max-context <= "
                           f"{EXACT_MAX_KEYS - largest_bucket} or --weights fp32")
-
-
-def attended_keys(weights: str, capacity: int, longest: int, width: int) -> int:
-    """Key entries per slot one target pass attends over: the KV capacity P, or for the quantized graphs'
-    exact attention ⌈(longest past length + query width Q) / KEY_CHUNK⌉ · KEY_CHUNK (the `P` the profile's
-    layout cost is fitted and priced at)."""
-    if weights == "fp32":
-        return int(capacity)
-    return -(-(int(longest) + int(width)) // KEY_CHUNK) * KEY_CHUNK
 
 
 #: doc_string of an initializer that is a view of another one's bytes (`builder.save_model` points it there)

@@ -22,7 +22,9 @@ F = m·H tapped features, l = 0..L-1):
 | out `new_value.{l}` | [N, kvH, D] | float32 | this step's values |
 
 The cache is read, never copied: the runtime writes `new_key/new_value` rows into its own buffers
-(O(N) per step). RoPE angles are computed from `position_ids` in the graph, so any position up to
+(O(N) per step). Quantized graphs (exact attention) also need P a positive multiple of KEY_CHUNK (128) and
+max_r cache_lens[r] + Q ≤ P: they place the pass's keys at cache_lens[r] + j inside the cache's key axis
+(`runtime.kv_cache.KVCache.feed` keeps both). RoPE angles are computed from `position_ids` in the graph, so any position up to
 max_position_embeddings-1 is exact (no table baked at an export length).
 """
 
@@ -269,33 +271,47 @@ def _attention_context(b: GraphBuilder, spec: TargetGraphSpec, exact: bool = Fal
         ctx["past_bias"] = b.op("Where", [b.op("Less", [p_idx, lens], n), zero, neg], n)     # [R,1,1,P]
         ctx["causal_bias"] = b.op("Where", [b.op("LessOrEqual", [j, i], n), zero, neg], n)  # [G·Q, Q]
         return ctx
-    # canonical layout: L = ⌈(max_r cache_lens[r] + Q) / KEY_CHUNK⌉ · KEY_CHUNK key entries, new key j of request r
-    # at cache_lens[r] + j; the cache's first min(P, L) entries, padded or cropped to L by one Pad
+    # canonical layout: the cache's own P = C·KEY_CHUNK entries (contract: P a positive multiple of KEY_CHUNK and
+    # max_r cache_lens[r] + Q ≤ P, which the runtime reserves before each pass), new key j of request r at
+    # cache_lens[r] + j. "Hot" chunks hold new keys: chunk cache_lens[r] // KEY_CHUNK + i for i < H, H the widest
+    # span; a request's chunks past its own span wrap (mod C) onto chunks before its first hot one (no new key
+    # there, so recomputing them gives the same partial).
     chunk = b.const([KEY_CHUNK])
-    longest = b.op("ReduceMax", ["cache_lens", b.const([0])], n, keepdims=1)
-    l_dim = b.op("Mul", [b.op("Div", [b.op("Add", [b.op("Add", [longest, q_dim], n), b.const([KEY_CHUNK - 1])], n),
-                                      chunk], n), chunk], n)
-    extra = b.op("Sub", [l_dim, p_dim], n)                                      # L - P (negative: crop)
-    zeros3, zero1, nkv_dim = b.const([0, 0, 0]), b.const([0]), b.const([nkv])
+    c_dim = b.op("Div", [p_dim, chunk], n)                                      # [1] C
+    c_scalar = b.op("Squeeze", [c_dim, b.const([0])], n)
+    zero1, nkv_dim = b.const([0]), b.const([nkv])
     slot = b.op("Add", [lens, j], n)                                            # [R,1,1,Q]
-    k_idx = b.op("Range", [b.const(0), b.op("Squeeze", [l_dim, b.const([0])], n), b.const(1)], n)   # [L]
+    k_idx = b.op("Range", [b.const(0), b.op("Squeeze", [p_dim, b.const([0])], n), b.const(1)], n)   # [P]
     r_idx = b.op("Range", [b.const(0), b.op("Squeeze", [r_dim, b.const([0])], n), b.const(1)], n)
     h_idx = b.op("Range", [b.const(0), b.const(nkv), b.const(1)], n)
-    v_shape = b.op("Concat", [r_dim, nkv_dim, q_dim, b.const([1])], n, axis=0)  # [R,kvH,Q,1]
-    at = lambda t, shape: b.op("Expand", [b.op("Reshape", [t, b.const(shape)], n), v_shape], n)  # noqa: E731
+    first_hot = b.op("Div", ["cache_lens", b.const(KEY_CHUNK)], n)              # [R]
+    offset = b.op("Mod", ["cache_lens", b.const(KEY_CHUNK)], n)                 # [R] cache_lens[r] - first_hot·CHUNK
+    span = b.op("Div", [b.op("Add", [offset, b.op("Sub", [q_scalar, b.const(1)], n)], n), b.const(KEY_CHUNK)], n)
+    h_scalar = b.op("Add", [b.op("ReduceMax", [span, b.const([0])], n, keepdims=0), b.const(1)], n)  # H
+    hot = b.op("Mod", [b.op("Add", [b.op("Unsqueeze", [first_hot, b.const([1])], n),
+                                    b.op("Range", [b.const(0), h_scalar, b.const(1)], n)], n), c_scalar], n)  # [R,H]
+    h_dim = b.op("Unsqueeze", [h_scalar, b.const([0])], n)
+    hot_shape = b.op("Concat", [r_dim, nkv_dim, h_dim, b.const([1])], n, axis=0)  # [R,kvH,H,1]
+    new_shape = b.op("Concat", [r_dim, nkv_dim, q_dim, b.const([1])], n, axis=0)  # [R,kvH,Q,1]
+    at = lambda t, shape, to: b.op("Expand", [b.op("Reshape", [t, b.const(shape)], n), to], n)  # noqa: E731
+    hot_chunk = at(hot, [0, 1, -1, 1], hot_shape)
     gq = b.op("Mul", [q_dim, b.const([g])], n)
     ctx.update({
         "mask": b.op("Where", [b.op("LessOrEqual", [k_idx, b.op("Add", [lens, i], n)], n), zero, neg],
-                     n),                                                        # [R,1,G·Q,L]
-        "score_pads": b.op("Concat", [zeros3, zero1, zeros3, extra], n, axis=0),  # P -> L on axis 3
-        "value_pads": b.op("Concat", [zeros3, zero1, zero1, zero1, extra, zero1], n, axis=0),  # P -> L on axis 2
+                     n),                                                        # [R,1,G·Q,P]
         "score_slot": b.op("Expand", [slot, b.op("Concat", [r_dim, nkv_dim, gq, q_dim], n, axis=0)], n),
-        "value_slot": b.op("Concat", [at(r_idx, [-1, 1, 1, 1]), at(h_idx, [1, -1, 1, 1]),
-                                      at(slot, [0, 1, -1, 1])], n, axis=-1),      # [R,kvH,Q,3]
+        "hot_chunk": hot_chunk,                                                 # [R,kvH,H,1]
+        "partial_slot": b.op("Concat", [at(r_idx, [-1, 1, 1, 1], hot_shape), at(h_idx, [1, -1, 1, 1], hot_shape),
+                                        hot_chunk], n, axis=-1),               # [R,kvH,H,3]
+        "value_slot": b.op("Concat", [at(r_idx, [-1, 1, 1, 1], new_shape), at(h_idx, [1, -1, 1, 1], new_shape),
+                                      at(b.op("Add", [b.op("Reshape", [offset, b.const([-1, 1, 1, 1])], n), j], n),
+                                         [0, 1, -1, 1], new_shape)], n, axis=-1),  # [R,kvH,Q,3] in the hot block
+        "hot_rows": b.op("Concat", [r_dim, nkv_dim, b.const([-1, d])], n, axis=0),            # [R,kvH,H·CHUNK,D]
+        "hot_chunks": b.op("Concat", [r_dim, nkv_dim, h_dim, b.const([KEY_CHUNK, d])], n, axis=0),
         "prob_chunks": b.op("Concat", [r_dim, nkv_dim, gq, b.const([-1, KEY_CHUNK])], n, axis=0),
         "value_chunks": b.op("Concat", [r_dim, nkv_dim, b.const([-1, KEY_CHUNK, d])], n, axis=0),
-        "ones": b.op("ConstantOfShape", [b.op("Concat", [b.const([1]), b.op("Div", [l_dim, chunk], n)], n, axis=0)],
-                     n, value=onnx.helper.make_tensor("value", onnx.TensorProto.FLOAT, [1], [1.0])),  # [1, L/CHUNK]
+        "ones": b.op("ConstantOfShape", [b.op("Concat", [b.const([1]), c_dim], n, axis=0)],
+                     n, value=onnx.helper.make_tensor("value", onnx.TensorProto.FLOAT, [1], [1.0])),  # [1, C]
     })
     return ctx
 
@@ -338,27 +354,31 @@ def _exact_attention(b: GraphBuilder, s_past: str, s_new: str, v_new: str, past_
 
     Why: MatMulNBits (accuracy_level 4) quantizes its input rows to int8, so a float-rounding difference
     between a decode row and the same row in a block becomes a quantization step and greedy speculative output
-    leaves `ar`'s. How: keys are laid out by cache index over L = ⌈(max_r cache_lens[r] + Q)/KEY_CHUNK⌉·KEY_CHUNK
-    entries (the cache cropped or zero-padded to L, the new scores and values scattered to cache_lens[r] + j;
-    masked entries weigh exactly 0, so trailing entries add +0, and attention reads the live context, not the
-    capacity); ONNX Runtime's Softmax reduces a row the same way for any such length; P·V runs as one GEMM per
-    KEY_CHUNK keys (MLAS never splits a K of 128, so each output is one FMA chain in key order) and the chunks
-    are summed by a second GEMM (ones · partials, one chain while there are at most KEY_CHUNK chunks: beyond,
-    MLAS splits that sum where the thread layout says). Both GEMMs use alpha ≠ 1, which keeps MLAS
-    off its M = 1 kernel (a different summation order) when a head group has one query row; the powers of two
-    cancel exactly.
+    leaves `ar`'s. How: keys are laid out by cache index over the cache's P entries (the new scores scattered
+    to cache_lens[r] + j; masked entries weigh exactly 0, so entries past the live context add +0 and P does
+    not change the bits); ONNX Runtime's Softmax reduces a row the same way for any such length; P·V runs as
+    one GEMM per KEY_CHUNK keys (MLAS never splits a K of 128, so each output is one FMA chain in key order)
+    and the chunks are summed by a second GEMM (ones · partials, one chain while there are at most KEY_CHUNK
+    chunks: beyond, MLAS splits that sum where the thread layout says). The chunk GEMMs read the cache in
+    place; only the hot chunks (those holding new keys: H per request, 1 for a decode row) are gathered, get
+    the new values scattered in and are multiplied again, and their partials replace the cache's. Both GEMMs
+    use alpha ≠ 1, which keeps MLAS off its M = 1 kernel (a different summation order) when a head group has
+    one query row; the powers of two cancel exactly.
+    Contract: P a positive multiple of KEY_CHUNK and max_r cache_lens[r] + Q ≤ P (`runtime.kv_cache`).
     Shapes: s_past [R,kvH,G·Q,P], s_new [R,kvH,G·Q,Q] (scaled scores), v_new [R,kvH,Q,D] -> [R,kvH,1,G·Q·D]
     (the [R,kvH,G·Q,D] values in that order; the caller's one Reshape takes either form).
     """
-    scores = b.op("Pad", [s_past, actx["score_pads"]], name)                          # [R,kvH,G·Q,L]
-    scores = b.op("ScatterElements", [scores, actx["score_slot"], s_new], name, axis=-1)
+    scores = b.op("ScatterElements", [s_past, actx["score_slot"], s_new], name, axis=-1)   # [R,kvH,G·Q,P]
     probs = b.op("Softmax", [b.op("Add", [scores, actx["mask"]], name)], name, axis=-1)
-    values = b.op("Pad", [past_value, actx["value_pads"]], name)                      # [R,kvH,L,D]
-    values = b.op("ScatterND", [values, actx["value_slot"], v_new], name)
     probs = b.op("Transpose", [b.op("Reshape", [probs, actx["prob_chunks"]], name)], name,
                  perm=[0, 1, 3, 2, 4])                                                  # [R,kvH,C,G·Q,KEY_CHUNK]
-    values = b.op("Reshape", [values, actx["value_chunks"]], name)                     # [R,kvH,C,KEY_CHUNK,D]
+    values = b.op("Reshape", [past_value, actx["value_chunks"]], name)                 # [R,kvH,C,KEY_CHUNK,D]
     partial = b.op("FusedMatMul", [probs, values], name, domain=MS_DOMAIN, alpha=0.5)  # [R,kvH,C,G·Q,D]
+    hot = b.op("Reshape", [b.op("GatherND", [values, actx["hot_chunk"]], name, batch_dims=2), actx["hot_rows"]], name)
+    hot = b.op("Reshape", [b.op("ScatterND", [hot, actx["value_slot"], v_new], name), actx["hot_chunks"]], name)
+    hot = b.op("FusedMatMul", [b.op("GatherND", [probs, actx["hot_chunk"]], name, batch_dims=2), hot], name,
+               domain=MS_DOMAIN, alpha=0.5)                                             # [R,kvH,H,G·Q,D]
+    partial = b.op("ScatterND", [partial, actx["partial_slot"], hot], name)
     partial = b.op("Reshape", [partial, b.const([0, 0, 0, -1])], name)                 # [R,kvH,C,G·Q·D]
     return b.op("FusedMatMul", [actx["ones"], partial], name, domain=MS_DOMAIN, alpha=2.0)  # [R,kvH,1,G·Q·D]
 

@@ -35,7 +35,6 @@ from ..engines.engine_set import EngineSet
 from ..engines.packing import Segment
 from ..engines.sps import ThroughputProfile, profile_path, read_sps
 from ..errors import EngineDirError, ProfileError, RequestError
-from ..exporter.quantize import attended_keys
 from . import faults
 from .batch import Batch, RequestState, finish
 from .policies import Policy
@@ -91,7 +90,6 @@ class Generator:
         self.engines, self.policy = engines, policy
         self.detokenize, self.drafter = detokenize, drafter
         self.block_size = int(rt["block_size"])
-        self.target_weights = engines.manifest.data["graphs"]["target"]["spec"].get("weights", "fp32")
         if policy.name == "fixed" and policy.k > self.block_size:
             raise RequestError(f"policy {policy}: K={policy.k} exceeds this engine directory's block size "
                                f"{self.block_size} (drafts per block); use fixed:1..fixed:{self.block_size}")
@@ -331,13 +329,12 @@ class Generator:
 
     def _step_profile(self) -> ThroughputProfile | None:
         """The profile bound to this step's layout (slot count S, key entries a verification pass attends
-        per slot P: `attended_keys`), so the policies price padded attention where the profile measured it
+        per slot P: `KVCache.attended`), so the policies price padded attention where the profile measured it
         (`ThroughputProfile.at`); cached per layout."""
         if self.profile is None:
             return None
         kv = self.batch.target_kv
-        key = (self.num_slots, attended_keys(self.target_weights, kv.capacity, kv.lens.max(initial=0),
-                                             self.block_size + 1))
+        key = (self.num_slots, kv.attended(self.block_size + 1))
         if self._bound_profile is None or self._bound_profile[0] != key:
             self._bound_profile = (key, self.profile.at(*key))
         return self._bound_profile[1]

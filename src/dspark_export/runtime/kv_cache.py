@@ -2,17 +2,21 @@
 
 Layout per layer: keys and values [S, kvH, C, D] float32 (S slots, C capacity). The engines read
 the whole buffer (zero-copy into ONNX Runtime) and mask entries ≥ `lens[slot]`, so a step writes
-only its new rows: `append` is O(rows), never O(context). Capacity grows by doubling up to
-`max_capacity` (amortised O(1) per token) and, when requests leave (`shrink`), halves back while the
-longest live slot fills at most a quarter of it. Attention therefore reads at most 4× the longest
-live context (or the initial capacity), whatever the requests before it held.
+only its new rows: `append` is O(rows), never O(context). C is always a multiple of KEY_CHUNK with room
+for the pass's query width past the longest slot (`feed(width=...)`): the quantized target's exact
+attention reads the cache in place in chunks of KEY_CHUNK keys (`exporter.target._exact_attention`).
+Capacity grows to the next multiple of KEY_CHUNK that holds what a step needs (one O(cache) copy per
+KEY_CHUNK tokens of the longest slot, so attention reads little past the live context) and, when
+requests leave (`shrink`), halves back while the longest live slot fills at most a quarter of it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["KVCache"]
+from ..exporter.quantize import aligned
+
+__all__ = ["KVCache", "aligned"]
 
 
 class KVCache:
@@ -23,15 +27,16 @@ class KVCache:
         num_slots (int): S, the request slots of the batch.
         num_kv_heads (int): kvH.
         head_dim (int): D.
-        max_capacity (int): the most entries one slot may hold (the engine's context capacity).
-        initial_capacity (int): starting C. Defaults to 256.
+        max_capacity (int): the most entries one slot may hold (the engine's context capacity); the buffer
+            may be longer (rounded up, plus a pass's query width).
+        initial_capacity (int): starting C (rounded up to KEY_CHUNK). Defaults to 256.
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  max_capacity: int, initial_capacity: int = 256):
         self.num_layers, self.num_slots = num_layers, num_slots
         self.num_kv_heads, self.head_dim, self.max_capacity = num_kv_heads, head_dim, max_capacity
-        self.initial_capacity = min(initial_capacity, max_capacity)
+        self.initial_capacity = aligned(min(initial_capacity, max_capacity))
         self.lens = np.zeros(num_slots, np.int64)
         self.capacity = 0
         self.keys: list[np.ndarray] = []
@@ -50,11 +55,18 @@ class KVCache:
         self.capacity = capacity
 
     def reserve(self, needed: int) -> None:
-        """Make room for `needed` entries in some slot (doubling). Raises ValueError past max_capacity."""
+        """Make room for `needed` entries in some slot. Raises ValueError past max_capacity."""
         if needed > self.max_capacity:
             raise ValueError(f"KV cache: {needed} entries exceed the capacity {self.max_capacity}")
-        if needed > self.capacity:
-            self._allocate(min(self.max_capacity, max(needed, 2 * self.capacity)))
+        self._grow(needed)
+
+    def _grow(self, entries: int) -> None:
+        if entries > self.capacity:
+            self._allocate(aligned(entries))
+
+    def attended(self, width: int) -> int:
+        """P, the buffer length `feed(width=width)` hands the engines (key entries a pass attends per slot)."""
+        return max(self.capacity, aligned(int(self.lens.max(initial=0)) + width))
 
     def shrink(self) -> bool:
         """Halve the capacity while the longest live slot fills at most a quarter of it (the last halving
@@ -69,7 +81,7 @@ class KVCache:
         live = int(self.lens.max()) if self.num_slots else 0
         capacity = self.capacity
         while capacity > self.initial_capacity and 4 * live <= capacity:
-            capacity = max(self.initial_capacity, capacity // 2)
+            capacity = max(self.initial_capacity, aligned(capacity // 2))
         if capacity == self.capacity:
             return False
         self._allocate(capacity)
@@ -130,24 +142,25 @@ class KVCache:
             lens[new] = self.lens[old]
         self.lens, self.num_slots = lens, num_slots
 
-    def feed(self, key_name: str, value_name: str, slot: int | None = None,
-             trim: bool = False) -> dict[str, np.ndarray]:
-        """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed; with
-        `slot`, that slot alone as [1,kvH,C,D] views (contiguous, no copy).
+    def feed(self, key_name: str, value_name: str, slot: int | None = None, width: int = 0) -> dict[str, np.ndarray]:
+        """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed, after growing
+        C to hold `width` entries (the pass's padded query width Q) past the longest slot: the exact
+        attention's contract max_r lens[r] + Q ≤ C (it scatters new keys at lens[r] + j).
 
-        With `slot` and `trim`, that slot's first P = min(C, ⌈max(lens[slot], 1) / 64⌉ · 64) entries
-        only, as [1,kvH,P,D] contiguous copies: the engines attend over every entry of the buffer (masking
-        those ≥ lens), so a long query block (a prefill chunk) costs less over a trimmed cache than over the
-        whole capacity, and the copy costs far less than it saves (reports/measurement_history.md,
-        "trimmed KV feed")."""
+        With `slot`, that slot's first P = aligned(lens[slot] + width) entries only, as [1,kvH,P,D]
+        contiguous copies: the engines attend over every entry of the buffer (masking those ≥ lens), so a
+        long query block (a prefill chunk) costs less over a trimmed cache than over the whole capacity, and
+        the copy costs far less than it saves (reports/measurement_history.md, "trimmed KV feed")."""
         if slot is None:
+            self._grow(int(self.lens.max(initial=0)) + width)
             rows, cols = slice(None), slice(None)
         else:
-            rows = slice(slot, slot + 1)
-            cols = slice(0, min(self.capacity, -(-max(int(self.lens[slot]), 1) // 64) * 64)) if trim else slice(None)
+            needed = int(self.lens[slot]) + width
+            self._grow(needed)
+            rows, cols = slice(slot, slot + 1), slice(0, aligned(needed))
         feed = {}
         for layer in range(self.num_layers):
             k, v = self.keys[layer][rows, :, cols], self.values[layer][rows, :, cols]
-            feed[f"{key_name}.{layer}"] = np.ascontiguousarray(k) if trim else k
-            feed[f"{value_name}.{layer}"] = np.ascontiguousarray(v) if trim else v
+            feed[f"{key_name}.{layer}"] = np.ascontiguousarray(k) if slot is not None else k
+            feed[f"{value_name}.{layer}"] = np.ascontiguousarray(v) if slot is not None else v
         return feed

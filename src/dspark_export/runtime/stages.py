@@ -187,8 +187,8 @@ class EngineStages:
 
         When at most max(1, S // 4) segments are longer than a verification block (prefill chunks), each of
         them runs in a pass of its own over its slot alone and the rest share one pass. That slot's cache is
-        trimmed to its valid entries rounded up to 64 (`KVCache.feed(trim=True)`, a copy of one slot),
-        because attention runs over every entry of the buffer. Why split: the graph's attention pads every
+        trimmed to its valid entries plus the chunk, rounded up to KEY_CHUNK (`KVCache.feed(slot=...)`, a copy
+        of one slot), because attention runs over every entry of the buffer. Why split: the graph's attention pads every
         slot's query to the longest one ([S, Q], `pad_index`), so a long chunk next to S decode rows costs
         S × its length query rows of attention over the whole cache. Each split costs one more weight read
         of the target, so when many slots prefill together (most of the S rows are long anyway) they stay
@@ -227,11 +227,13 @@ class EngineStages:
         if slot is None:
             packed = pack_segments(segments, self.batch.num_slots, kv.lens, runner.padded_rows(rows))
             packed.engines = {seg.slot: str(runner.key.path) for seg in segments}
-            return packed, self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value")})
+            width = packed.feed["pad_index"].shape[1]
+            return packed, self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", width=width)})
         seg = segments[0]
         packed = pack_segments([Segment(0, seg.token_ids, seg.start_position, seg.logits)], 1,
                                kv.lens[slot:slot + 1], runner.padded_rows(rows))
-        out = self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", slot, trim=True)})
+        width = packed.feed["pad_index"].shape[1]
+        out = self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", slot, width=width)})
         return PackedBatch({}, {slot: packed.row_start[0]},
                            {slot: packed.logit_start[0]} if 0 in packed.logit_start else {},
                            packed.num_real_tokens, engines={slot: str(runner.key.path)}), out

@@ -12,13 +12,14 @@ Ranges, from what the runtime feeds each engine (docs/ARCHITECTURE.md, "Runtime"
 
 | graph | fixed by the bucket | free letters: min .. max (opt) |
 | --- | --- | --- |
-| target | N | R 1..R_max (⌈N/(γ+1)⌉); Q 1..N (min(N, γ+1)); M 1..N (N); P 1..max_context (context+γ+1) |
+| target | N | R 1..R_max (⌈N/(γ+1)⌉); Q 1..N (min(N, γ+1)); M 1..N (N); P 1..⌈max_context+N⌉ (⌈context+γ+1⌉) |
 | drafter_context | N | none |
-| drafter_block | R | P 1..max_context (context) |
+| drafter_block | R | P 1..⌈max_context⌉ (⌈context⌉) |
 | verify | R | M R..R·(γ+1) (R·(γ+1)) |
 
 R_max is the largest request bucket (the slot count never exceeds it), P the KV buffer capacity the
-runtime hands over (whole buffer, entries past ``cache_lens`` masked), Q the padded query width, M the
+runtime hands over (whole buffer, entries past ``cache_lens`` masked; ⌈x⌉: rounded up to a multiple of
+KEY_CHUNK as ``exporter.quantize.aligned``, with room for the pass's query width), Q the padded query width, M the
 logit rows. Our target has no key-length input: past and new keys are scored separately and joined
 before the softmax, so the attention's key length (P + Q at every point, reported as ``key_len``) needs
 no input of its own to agree with.
@@ -34,6 +35,7 @@ from collections.abc import Mapping
 import onnx
 
 from ...errors import BuildError
+from ...exporter.quantize import aligned
 
 __all__ = ["ShapeProfile", "profile_for", "check_profile", "eval_dim", "POINTS"]
 
@@ -119,11 +121,11 @@ def _ranges(graph: str, bucket: int, *, block_size: int, max_context: int, max_r
         n = bucket
         return "N", {"N": (n, n, n), "R": (1, min(max_requests, math.ceil(n / g1)), max_requests),
                      "Q": (1, min(n, g1), n), "M": (1, n, n),
-                     "P": (1, min(max_context, context_len + g1), max_context)}
+                     "P": (1, aligned(min(max_context, context_len + g1)), aligned(max_context + n))}
     if graph == "drafter_context":
         return "N", {"N": (bucket, bucket, bucket)}
     if graph == "drafter_block":
-        return "R", {"R": (bucket, bucket, bucket), "P": (1, min(max_context, context_len), max_context)}
+        return "R", {"R": (bucket, bucket, bucket), "P": (1, aligned(min(max_context, context_len)), aligned(max_context))}
     if graph == "verify":
         r = bucket
         return "R", {"R": (r, r, r), "M": (r, r * g1, r * g1)}
