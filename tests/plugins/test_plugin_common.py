@@ -130,3 +130,38 @@ def test_onnx_sampling_matches_numpy(case, has_ties):
     is_sampled = params["temperature"] > 0  # the ONNX helper warps greedy rows at T=1; the op takes their argmax
     np.testing.assert_allclose(probs[is_sampled], expected[is_sampled], rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(ids[is_sampled], sample_from_probs(expected, u)[is_sampled])
+
+
+def _top_p_session(head: int) -> ort.InferenceSession:
+    from dspark_export.plugins.common.onnx_sampling import _emit_top_p
+
+    b = NodeBuilder("/test/")
+    b.op_into("kept", "Identity", _emit_top_p(b, "probs", "top_p", head=head))
+    f32 = TensorProto.FLOAT
+    model = helper.make_model(helper.make_graph(
+        b.nodes, "top_p", [helper.make_tensor_value_info("probs", f32, ["n", "V"]),
+                           helper.make_tensor_value_info("top_p", f32, ["n"])],
+        [helper.make_tensor_value_info("kept", f32, ["n", "V"])]), opset_imports=opset_imports(), ir_version=10)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("flat_row", [False, True], ids=["head-decides", "full-sort"])
+def test_top_p_sorts_only_the_head_when_it_decides_and_gives_the_full_sorts_bits(flat_row):
+    """The top-p filter sorts the first `head` values when, in every row, they already sum to top_p (nothing after
+    them can be kept) and the whole row otherwise (a flat row): either way bit for bit what sorting all V values
+    gives, and the numpy reference's distribution; ties and top_p >= 1 rows included."""
+    from dspark_export.plugins.common.sampling import _apply_top_p
+
+    rng = np.random.default_rng(5)
+    logits = random_logits(rng, (6, 64), True) * 4
+    if flat_row:
+        logits[2] = rng.normal(size=64).astype(F32) * 0.01     # its first 8 values hold ~1/8 of the mass
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True)).astype(F32)
+    top_p = np.array([0.5, 0.9, 0.9, 1.0, 0.3, 0.95], F32)
+    head_sums = np.sort(probs, -1)[:, ::-1][:, :8].sum(-1)
+    assert (head_sums[[0, 1, 4, 5]] >= top_p[[0, 1, 4, 5]]).all() and (head_sums[2] < top_p[2]) == flat_row
+    kept = _top_p_session(8).run(None, {"probs": probs, "top_p": top_p})[0]
+    full = _top_p_session(64).run(None, {"probs": probs, "top_p": top_p})[0]
+    np.testing.assert_array_equal(kept, full)
+    np.testing.assert_allclose(kept, _apply_top_p(probs, top_p), rtol=1e-6, atol=1e-7)
