@@ -11,7 +11,10 @@ path through ``Where``; sampled rows use the warped target p and draft q.
     next_ids       = Where(greedy, ArgMax(target row a), sample(residual or p_a, u_γ))
 
 When every request is greedy (an ``If`` on the temperatures), only the argmax of the M target rows
-is computed: no gather of [R, γ+1, V], no warp, no draft probabilities (the same outputs).
+is computed: no gather of [R, γ+1, V], no warp, no draft probabilities (the same outputs). Otherwise only
+the first W = max(verify_lens) draft slots (and W + 1 target rows per request) are warped: the slots past
+every request's verify length cannot change an output, and a step without drafts (W = 0: `ar`, or no
+request drafted) warps one target row per request and no draft row at all.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from onnx import TensorProto, helper
 
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
-from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function
+from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function, make_if
 from dspark_export.plugins.common.onnx_sampling import emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 from dspark_export.plugins.speculative_verify.schema import SCHEMA
 
@@ -56,13 +59,17 @@ def make_function(**static_config) -> onnx.FunctionProto:
     fast_next = _emit_greedy_next(fast, fast_argmax, fast_num)
 
     full = b.branch("mixed/")
-    target_logits = full.op("Gather", "target_logits", rows, axis=0)  # [R, γ+1, V]
-    target_probs = _emit_warp(full, target_logits, dims, dims["gamma_plus_1"])
-    draft_probs = _emit_warp(full, "draft_logits", dims, dims["gamma"])
-    target_argmax = full.op("ArgMax", target_logits, axis=-1, keepdims=0)  # [R, γ+1]
-    is_accepted = _emit_acceptance(full, dims, target_probs, draft_probs, draft_ids, target_argmax)
-    num_accepted = _emit_num_accepted(full, full.op("And", is_accepted, is_verified))
-    sampled = _emit_next_sample(full, dims, target_probs, draft_probs, num_accepted)
+    width = full.op("Max", full.op("ReduceMax", "verify_lens", keepdims=1), b.const([0], I64))   # [1] W
+    zero, axis1 = b.const([0], I64), b.const([1], I64)
+    head = lambda x, w: full.op("Slice", x, zero, w, axis1)  # noqa: E731  the first w slots of [R, ·, ...]
+    used = {**dims, "gamma": width, "gamma_plus_1": full.op("Add", width, axis1)}   # the W verified slots
+    target_logits = full.op("Gather", "target_logits", head(rows, used["gamma_plus_1"]), axis=0)  # [R, W+1, V]
+    target_probs = _emit_warp(full, target_logits, used, used["gamma_plus_1"])
+    draft_probs = _emit_warp(full, head("draft_logits", width), used, width)  # [R, W, V]
+    target_argmax = full.op("ArgMax", target_logits, axis=-1, keepdims=0)  # [R, W+1]
+    is_accepted = _emit_acceptance(full, used, target_probs, draft_probs, head(draft_ids, width), target_argmax)
+    num_accepted = _emit_num_accepted(full, full.op("And", is_accepted, head(is_verified, width)))
+    sampled = _emit_next_sample(full, used, target_probs, draft_probs, num_accepted)
     next_ids = full.op("Where", is_greedy, _emit_greedy_next(full, target_argmax, num_accepted), sampled)
 
     kinds = [TensorProto.INT64, TensorProto.INT64]
@@ -121,7 +128,7 @@ def _emit_warp(b: NodeBuilder, logits: str, dims: dict[str, str], width: str) ->
         for name in ("temperature", "top_k", "top_p")
     ]
     probs = emit_warp_probs(b, b.op("Reshape", logits, flat_shape), *params)
-    return b.op("Reshape", probs, b.op("Concat", row_shape, dims["V"], axis=0))
+    return b.op("Reshape", probs, b.op("Concat", row_shape, dims["V"], axis=0), allowzero=1)  # width may be 0
 
 
 def _emit_num_accepted(b: NodeBuilder, is_accepted: str) -> str:
@@ -159,22 +166,28 @@ def _emit_acceptance(b, dims, target_probs: str, draft_probs: str, draft_ids: st
 
 
 def _emit_next_sample(b, dims, target_probs: str, draft_probs: str, num_accepted: str) -> str:
-    """next_ids of sampled rows [R] int64: residual max(p_a − q_a, 0) when rejected (p_a if all zero), else p_a."""
+    """next_ids of sampled rows [R] int64: residual max(p_a − q_a, 0) when rejected (p_a if all zero), else p_a.
+    With no draft slot (dims["gamma"] = 0) nothing is rejected: p_a, and no draft row is read."""
     target_flat = b.op("Reshape", target_probs, b.op("Concat", b.const([-1], I64), dims["V"], axis=0))
-    draft_flat = b.op("Reshape", draft_probs, b.op("Concat", b.const([-1], I64), dims["V"], axis=0))
     request = b.op("Range", b.const(0, I64), b.op("Squeeze", dims["R"], b.const([0], I64)), b.const(1, I64))
     target_row = b.op("Add", b.op("Mul", request, dims["gamma_plus_1"]), num_accepted)
-    last_slot = b.op("Sub", dims["gamma"], b.const([1], I64))
-    draft_row = b.op("Add", b.op("Mul", request, dims["gamma"]), b.op("Min", num_accepted, last_slot))
     p_next = b.op("Gather", target_flat, target_row, axis=0)  # [R, V]
-    q_next = b.op("Gather", draft_flat, draft_row, axis=0)  # [R, V]
-    residual = b.op("Relu", b.op("Sub", p_next, q_next))
-    has_residual = b.op("Greater", b.op("ReduceSum", residual, b.const([1], I64), keepdims=0), b.const(0, F32))
-    use_residual = b.op("And", b.op("Less", num_accepted, "verify_lens"), has_residual)
-    probs = b.op("Where", unsqueeze_last(b, use_residual), residual, p_next)
     uniform = b.op("Squeeze", b.op("Slice", "uniforms", b.const([-1], I64), b.const([np.iinfo(np.int64).max], I64),
                                    b.const([1], I64)), b.const([1], I64))
-    return emit_sample(b, probs, uniform)
+    plain, drafts = b.branch("no_drafts/"), b.branch("drafts/")
+    plain_ids = emit_sample(plain, p_next, uniform)
+    draft_flat = drafts.op("Reshape", draft_probs, drafts.op("Concat", b.const([-1], I64), dims["V"], axis=0))
+    last_slot = drafts.op("Sub", dims["gamma"], b.const([1], I64))
+    draft_row = drafts.op("Add", drafts.op("Mul", request, dims["gamma"]), drafts.op("Min", num_accepted, last_slot))
+    q_next = drafts.op("Gather", draft_flat, draft_row, axis=0)  # [R, V]
+    residual = drafts.op("Relu", drafts.op("Sub", p_next, q_next))
+    has_residual = drafts.op("Greater", drafts.op("ReduceSum", residual, b.const([1], I64), keepdims=0),
+                             b.const(0, F32))
+    use_residual = drafts.op("And", drafts.op("Less", num_accepted, "verify_lens"), has_residual)
+    draft_ids = emit_sample(drafts, drafts.op("Where", unsqueeze_last(drafts, use_residual), residual, p_next), uniform)
+    no_drafts = b.op("Equal", b.op("Squeeze", dims["gamma"], b.const([0], I64)), b.const(0, I64))
+    ids = make_if(b, no_drafts, (plain, plain_ids), (drafts, draft_ids), TensorProto.INT64)
+    return b.op("Reshape", ids, b.op("Shape", num_accepted))  # [R] for shape inference (If outputs carry none)
 
 
 def check_no_config(config: Mapping[str, object]) -> None:
