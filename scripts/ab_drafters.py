@@ -2,8 +2,9 @@
 """Paired A/B of drafters: one policy on several engine directories that share a target, against `ar`, in one
 process, interleaved per prompt.
 
-The engine directories must hold the same target graphs (a drafter change only), so `ar` runs once (on the
-first) and every system must reproduce its tokens. For each round, prompt by prompt, every system generates
+The engine directories must compute the same target logits (a drafter change, or a target graph rewritten to
+the same bits with `--ar-on-each`, which runs `ar` on every directory too), so every system must reproduce the
+tokens of `ar` on the first; ratios are to that one. For each round, prompt by prompt, every system generates
 (systems in reverse order on every other round); prints per system the tokens/s over the per-prompt medians
 and its ratio to `ar` in each round, and whether its tokens equal ar's. The prompts are the first
 `--prompts-per-dataset` first turns of each dataset (chat template), as `bench peers` takes them.
@@ -29,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--datasets-dir", default=None)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ar-on-each", action="store_true", help="also run ar on every directory (target graph A/B)")
     args = p.parse_args(argv)
 
     from dspark_export.bench.peers import PeersBenchConfig, _ours
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
                                prompts_per_dataset=args.prompts_per_dataset).prompts   # as bench peers takes them
     runtimes = {d: Runtime.open(d, policy="ar", threads=args.threads) for d in dirs}
     ids = [runtimes[dirs[0]].encode(q, True) for q in prompts]
-    systems = [("ar", dirs[0])] + [(args.policy, d) for d in dirs]
+    systems = [("ar", d) for d in (dirs if args.ar_on_each else dirs[:1])] + [(args.policy, d) for d in dirs]
     gens = {(policy, d): _ours(runtimes[d], policy) for policy, d in systems}   # one Generator per system
     for gen in gens.values():
         gen(ids[0], 4)   # warm-up
