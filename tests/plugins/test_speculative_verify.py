@@ -187,3 +187,24 @@ def test_greedy_drafts_past_verify_lens_are_never_accepted(impl, temperatures):
     assert num[0] == 1 and nxt[0] == 3          # draft 3 at slot 1 equals row 1's argmax but is unverified
     if temperatures[1] == 0.0:
         assert (num[1], nxt[1]) == (3, 2)        # all three accepted, bonus = argmax of row 5
+
+
+def test_a_sampled_rows_token_does_not_depend_on_its_batch_mates_verify_lengths():
+    """With V·4 bytes not a multiple of 64, ONNX Runtime's float row sums depend on where a row sits in memory,
+    and a request's rows sit further along when a batch mate verifies more drafts; the op pads warped rows to
+    16 values, so its next token stays the same. The uniform sits on a sampling boundary where one rounding
+    step of the row's sums flips the token (found by search on the unpadded op)."""
+    vocab, gamma = 4099, 5
+    logits = (np.random.default_rng(1).normal(size=(3, vocab)) * 3).astype(F32)
+    uniforms = np.full((3, gamma + 1), 0.5, F32)
+    uniforms[2, gamma] = np.uint32(0x3EC12F4D).view(F32)
+
+    def next_ids(lens: list[int]) -> list[int]:
+        rows = np.concatenate([np.repeat(logits[r:r + 1], n + 1, axis=0) for r, n in enumerate(lens)])
+        feeds = {"target_logits": rows, "query_start": np.concatenate([[0], np.cumsum(np.add(lens, 1))]).astype(I64),
+                 "draft_ids": np.zeros((3, gamma), I64), "draft_logits": np.zeros((3, gamma, vocab), F32),
+                 "verify_lens": np.array(lens, I64), "temperature": np.ones(3, F32), "top_k": np.zeros(3, I64),
+                 "top_p": np.ones(3, F32), "uniforms": uniforms}
+        return run_ort("SpeculativeVerify", {}, feeds)["next_ids"].tolist()
+
+    assert next_ids([0, 0, 0])[2] == next_ids([0, gamma, 0])[2] == next_ids([gamma, gamma, 0])[2]

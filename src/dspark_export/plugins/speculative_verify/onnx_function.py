@@ -32,6 +32,7 @@ from dspark_export.plugins.common.onnx_sampling import emit_greedy_masks, emit_s
 from dspark_export.plugins.speculative_verify.schema import SCHEMA
 
 F32, I64 = np.float32, np.int64
+ROW_ALIGN = 16   #: float32 values per 64 bytes: warped rows are padded to a multiple (`_emit_warp`)
 
 
 def make_function(**static_config) -> onnx.FunctionProto:
@@ -62,7 +63,10 @@ def make_function(**static_config) -> onnx.FunctionProto:
     width = full.op("Max", full.op("ReduceMax", "verify_lens", keepdims=1), b.const([0], I64))   # [1] W
     zero, axis1 = b.const([0], I64), b.const([1], I64)
     head = lambda x, w: full.op("Slice", x, zero, w, axis1)  # noqa: E731  the first w slots of [R, ·, ...]
-    used = {**dims, "gamma": width, "gamma_plus_1": full.op("Add", width, axis1)}   # the W verified slots
+    aligned_v = full.op("Mul", full.op("Div", full.op("Add", dims["V"], b.const([ROW_ALIGN - 1], I64)),
+                                       b.const([ROW_ALIGN], I64)), b.const([ROW_ALIGN], I64))
+    used = {**dims, "gamma": width, "gamma_plus_1": full.op("Add", width, axis1),   # the W verified slots,
+            "V": aligned_v}                                     # their probabilities over V rounded up (_emit_warp)
     target_logits = full.op("Gather", "target_logits", head(rows, used["gamma_plus_1"]), axis=0)  # [R, W+1, V]
     target_probs = _emit_warp(full, target_logits, used, used["gamma_plus_1"])
     draft_probs = _emit_warp(full, head("draft_logits", width), used, width)  # [R, W, V]
@@ -120,14 +124,23 @@ def _emit_rows(b: NodeBuilder, dims: dict[str, str]) -> str:
 
 
 def _emit_warp(b: NodeBuilder, logits: str, dims: dict[str, str], width: str) -> str:
-    """warp_probs of logits [R, width, V] with each request's parameters repeated over width."""
-    flat_shape = b.op("Concat", b.const([-1], I64), dims["V"], axis=0)
+    """warp_probs of logits [R, width, V] with each request's parameters repeated over width -> [R, width, Va],
+    Va = dims["V"] (V rounded up to ROW_ALIGN; the extra columns are logit -inf, probability 0).
+
+    Why the padding: ONNX Runtime adds a float row (softmax and renormalisation sums) in an order that depends
+    on the row's alignment in memory, so with V·4 bytes not a multiple of 64 a row's probabilities would depend
+    on its index, that is on the slot and on the batch's widest verify length; aligned rows do not.
+    """
+    vocab = b.op("Shape", logits, start=2, end=3)
+    flat = b.op("Reshape", logits, b.op("Concat", b.const([-1], I64), vocab, axis=0))
+    pads = b.op("Concat", b.const([0, 0, 0], I64), b.op("Sub", dims["V"], vocab), axis=0)
+    flat = b.op("Pad", flat, pads, b.const(-np.inf, F32))
     row_shape = b.op("Concat", dims["R"], width, axis=0)
     params = [
         b.op("Reshape", b.op("Expand", unsqueeze_last(b, name), row_shape), b.const([-1], I64))
         for name in ("temperature", "top_k", "top_p")
     ]
-    probs = emit_warp_probs(b, b.op("Reshape", logits, flat_shape), *params)
+    probs = emit_warp_probs(b, flat, *params)
     return b.op("Reshape", probs, b.op("Concat", row_shape, dims["V"], axis=0), allowzero=1)  # width may be 0
 
 
