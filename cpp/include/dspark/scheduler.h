@@ -45,9 +45,8 @@ class ThroughputProfile {
   // finite ≥ 0, and the (S_b, Q_b, P_b) each bucket was timed at, one per bucket, each ≥ 1.
   // Errors: kProfile naming the problem.
   Status SetLayoutCost(double attention_ms, double kv_read_ms, std::vector<std::array<int64_t, 3>> layout);
-  // A copy bound to a step layout: S slots, P key entries a pass attends per slot (the KV capacity, or for
-  // quantized targets Python's `exporter.quantize.attended_keys`; values below 1 are taken as 1; Python's
-  // `at` refuses them).
+  // A copy bound to a step layout: S slots, P key entries a pass attends per slot (the KV capacity,
+  // Python's `KVCache.attended`; values below 1 are taken as 1; Python's `at` refuses them).
   ThroughputProfile At(int64_t num_slots, int64_t kv_capacity) const;
   // Whether step latencies depend on the layout: a fit, and a layout bound with At.
   bool has_layout_cost() const;

@@ -45,8 +45,8 @@ class ThroughputProfile:
     formulas are the paper's, bit for bit.
 
     Layout cost (optional): the target graph pads every slot's query to the longest one and attends
-    S × Q query rows over P key entries per slot, the KV buffer's capacity (the quantized graphs: the live
-    context, `exporter.quantize.attended_keys`) (docs/ARCHITECTURE.md, target.onnx), so a
+    S × Q query rows over P key entries per slot, the KV buffer's capacity (`runtime.kv_cache.KVCache.attended`)
+    (docs/ARCHITECTURE.md, target.onnx), so a
     step's latency depends on the slots S, the padded width Q and P, not on B alone. Where the profiler
     measured it (`attention_ms`, `kv_read_ms` and the layout (S_b, Q_b, P_b) each bucket was timed at),
     a profile bound to the runtime's layout with `at(S, P)` prices a step whose longest request
@@ -70,7 +70,7 @@ class ThroughputProfile:
         kv_read_ms: c_kv, ms per slot per KV entry, ≥ 0 (optional).
         profiled_layout: (S_b, Q_b, P_b) each bucket was timed at, one per bucket, each ≥ 1 (optional).
         num_slots: S of the runtime's step, or None (then no layout cost; see `at`).
-        kv_capacity: P, the key entries per slot the runtime's step attends (`attended_keys`), or None.
+        kv_capacity: P, the key entries per slot the runtime's step attends (`KVCache.attended`), or None.
     Raises:
         ProfileError: empty table, unsorted or duplicate buckets, non-positive SPS, length mismatch,
             negative or non-finite layout coefficients, a layout row per bucket missing or below 1.
