@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from dspark_export.runtime.kv_cache import aligned
+from dspark_export.exporter.quantize import aligned
 
 
 def feed_for(session, rows: int, context: int, capacity: int, slots: int = 1) -> dict:

@@ -111,8 +111,8 @@ def make_records(encode, texts: list[str], policies: list[str], n: int, min_new:
 
 
 def kv_capacity(needed: int, max_context: int, initial: int = 256) -> int:
-    """The capacity a `KVCache` reaches for `needed` entries (`kv_cache.aligned`, from `initial`)."""
-    from dspark_export.runtime.kv_cache import aligned
+    """The capacity a `KVCache` reaches for `needed` entries (`quantize.aligned`, from `initial`)."""
+    from dspark_export.exporter.quantize import aligned
 
     return max(aligned(min(initial, max_context)), aligned(needed))
 

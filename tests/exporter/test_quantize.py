@@ -301,11 +301,11 @@ def test_builds_refuse_contexts_beyond_the_exact_attention():
 
 def test_profile_records_the_attended_keys(quant_engine_dir, float_engine_dir):
     """The layout each bucket was timed at records the key entries the pass attends: the KV capacity, as the
-    runtime's cache holds it (`kv_cache.aligned`: a multiple of KEY_CHUNK with room for the past and the
+    runtime's cache holds it (`quantize.aligned`: a multiple of KEY_CHUNK with room for the past and the
     padded query width), for fp32 and the quantized graphs alike."""
     import json
 
-    from dspark_export.runtime.kv_cache import aligned
+    from dspark_export.exporter.quantize import aligned
 
     weights, engine_dir = quant_engine_dir
     for folder in (engine_dir, float_engine_dir):

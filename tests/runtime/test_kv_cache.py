@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from dspark_export.exporter.quantize import KEY_CHUNK
-from dspark_export.runtime.kv_cache import KVCache, aligned
+from dspark_export.exporter.quantize import KEY_CHUNK, aligned
+from dspark_export.runtime.kv_cache import KVCache
 
 
 def _rows(n, layers=2, heads=2, dim=3, offset=0.0):

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..exporter.quantize import aligned
 
-__all__ = ["KVCache", "aligned"]
+__all__ = ["KVCache"]
 
 
 class KVCache:

@@ -197,9 +197,10 @@ def _emit_next_sample(b, dims, target_probs: str, draft_probs: str, num_accepted
     has_residual = drafts.op("Greater", drafts.op("ReduceSum", residual, b.const([1], I64), keepdims=0),
                              b.const(0, F32))
     use_residual = drafts.op("And", drafts.op("Less", num_accepted, "verify_lens"), has_residual)
-    draft_ids = emit_sample(drafts, drafts.op("Where", unsqueeze_last(drafts, use_residual), residual, p_next), uniform)
+    residual_ids = emit_sample(drafts, drafts.op("Where", unsqueeze_last(drafts, use_residual), residual, p_next),
+                               uniform)
     no_drafts = b.op("Equal", b.op("Squeeze", dims["gamma"], b.const([0], I64)), b.const(0, I64))
-    ids = make_if(b, no_drafts, (plain, plain_ids), (drafts, draft_ids), TensorProto.INT64)
+    ids = make_if(b, no_drafts, (plain, plain_ids), (drafts, residual_ids), TensorProto.INT64)
     return b.op("Reshape", ids, b.op("Shape", num_accepted))  # [R] for shape inference (If outputs carry none)
 
 
