@@ -19,6 +19,9 @@ Stages (each resumable; each reads the previous one's output):
     export     drafter-owned tensors in fp16 + calibration.json → --out (the shipped drafter folder)
     draft-vocab  token ranking of the target's training responses (<run>/data/train.jsonl) →
                <--out>/draft_vocab.json (`dspark_export.training.draft_vocab`; the d2t of `build --draft-vocab N`)
+    pack       <run>/data's lines written since the last pack → a new xz shard in --out (a folder committed to the
+               repository: the data stage's hours survive a new machine; `dspark_export.training.snapshot`)
+    unpack     the shards of --from → <run>/data, where they hold more than it; the data stage then resumes
 
 Usage:
     python scripts/train_drafter.py data --run runs/smollm2 --limit 1400
@@ -36,6 +39,8 @@ Usage:
     python scripts/train_drafter.py export --run runs/smollm2 --name dspark \
         --out src/dspark_export/assets/drafters/smollm2-135m-instruct
     python scripts/train_drafter.py draft-vocab --run runs/smollm2 --out src/dspark_export/assets/drafters/smollm2-135m-instruct
+    python scripts/train_drafter.py pack --run runs/smollm2 --out training-data/smollm2-135m-instruct
+    python scripts/train_drafter.py unpack --run runs/smollm2 --from training-data/smollm2-135m-instruct
     python scripts/train_drafter.py calibrate --run runs/smollm2 \
         --drafter src/dspark_export/assets/drafters/smollm2-135m-instruct --draft-vocab 8192   # recalibrate in place
 Exit codes: 0 done, 2 an error (one line on stderr), 130 interrupted.
@@ -319,6 +324,21 @@ def cmd_draft_vocab(args, say):
     say(f"wrote {out}: {len(data['ranking'])} distinct tokens of {vocab} in {data['tokens_counted']} response tokens")
 
 
+def cmd_pack(args, say):
+    from dspark_export.training.snapshot import pack
+
+    added = pack(Path(args.run) / "data", Path(args.out))
+    say(f"packed into {args.out}: " + (", ".join(f"{n} +{k} lines" for n, k in added.items()) or "nothing new"))
+
+
+def cmd_unpack(args, say):
+    from dspark_export.training.snapshot import unpack
+
+    restored = unpack(Path(args.source), Path(args.run) / "data")
+    say(f"restored into {Path(args.run) / 'data'}: "
+        + (", ".join(f"{n} ({k} lines)" for n, k in restored.items()) or "nothing (the run folder holds as much)"))
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="stage", required=True)
@@ -396,6 +416,10 @@ def parse_args(argv=None):
     p = sub.add_parser("export", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--out", required=True)
+    p = sub.add_parser("pack", parents=[common])
+    p.add_argument("--out", required=True, help="snapshot folder (shards + shards.json)")
+    p = sub.add_parser("unpack", parents=[common])
+    p.add_argument("--from", dest="source", required=True, help="snapshot folder written by pack")
     return parser.parse_args(argv)
 
 
@@ -404,7 +428,8 @@ def main(argv=None) -> int:
     say = _log(time.perf_counter())
     try:
         {"data": cmd_data, "features": cmd_features, "train": cmd_train, "calibrate": cmd_calibrate,
-         "export": cmd_export, "draft-vocab": cmd_draft_vocab}[args.stage](args, say)
+         "export": cmd_export, "draft-vocab": cmd_draft_vocab, "pack": cmd_pack,
+         "unpack": cmd_unpack}[args.stage](args, say)
     except DsparkExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
