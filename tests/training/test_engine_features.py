@@ -84,3 +84,28 @@ def test_engine_features_reject_bad_input(engine_features, tmp_path):
         engine_features.features(np.zeros(513, np.int64) + 3)
     with pytest.raises(Exception, match="manifest"):
         EngineFeatures(tmp_path)
+
+
+def test_parallel_workers_write_the_same_cache(engine_features, tiny_engine_dir, records, tmp_path):
+    """Two processes, each on every other part, give the single process's cache array for array; a cache
+    grown later by one process keeps their parts; a mismatched folder is refused before any process starts."""
+    from functools import partial
+
+    from dspark_export.training.features import build_feature_cache_parallel
+
+    build_feature_cache(engine_features, records[:5], None, tmp_path / "one", part_size=2)
+    open_source = partial(EngineFeatures, str(tiny_engine_dir), threads=1)
+    build_feature_cache_parallel(open_source, records[:5], tmp_path / "two", workers=2, part_size=2)
+    one, two = FeatureCache(tmp_path / "one"), FeatureCache(tmp_path / "two")
+    assert len(two) == 5 and json.loads((tmp_path / "two" / "meta.json").read_text())["complete"]
+    for i in range(5):
+        for name in ("tokens", "aux", "last"):
+            assert np.array_equal(getattr(one[i], name), getattr(two[i], name))
+    stamp = (tmp_path / "two" / "part-00000" / "aux.npy").stat().st_mtime_ns
+    build_feature_cache(engine_features, records[:6], None, tmp_path / "two", part_size=2)
+    assert len(FeatureCache(tmp_path / "two")) == 6
+    assert (tmp_path / "two" / "part-00000" / "aux.npy").stat().st_mtime_ns == stamp
+    meta = json.loads((tmp_path / "two" / "meta.json").read_text())
+    (tmp_path / "two" / "meta.json").write_text(json.dumps({**meta, "source": "transformers"}))
+    with pytest.raises(ConfigError, match="source is 'transformers'"):
+        build_feature_cache_parallel(open_source, records[:6], tmp_path / "two", workers=2, part_size=2)

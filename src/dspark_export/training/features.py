@@ -46,7 +46,7 @@ import torch
 from ..errors import ConfigError
 from ..progress import Eta
 
-__all__ = ["build_feature_cache", "FeatureCache", "Sequence_", "TransformersFeatures"]
+__all__ = ["build_feature_cache", "build_feature_cache_parallel", "FeatureCache", "Sequence_", "TransformersFeatures"]
 
 FORMAT = 1
 LEGACY_SOURCE = "transformers"  #: meta.json "source" of a cache written before sources were recorded
@@ -85,7 +85,7 @@ class TransformersFeatures:
 
 def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Sequence[int] | None, out_dir: str | Path,
                         *, part_size: int = 64, max_tokens: int = 1024, dtype: torch.dtype = torch.bfloat16,
-                        progress: Callable[[str], None] | None = None) -> Path:
+                        progress: Callable[[str], None] | None = None, shard: tuple[int, int] | None = None) -> Path:
     """Run the target over each record and write the cache (resumable; see the module docstring).
 
     Args:
@@ -99,6 +99,9 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
         part_size: sequences per part.
         max_tokens: sequences are cut to this many tokens.
         dtype: compute dtype of a transformers target.
+        shard: (k, W): compute only the parts whose index is k mod W and leave meta.json alone (one of W
+            processes of `build_feature_cache_parallel`; a last call without it completes meta.json);
+            (0, 0): no part (the folder's checks only).
     Raises:
         ConfigError: the folder holds a cache made with other taps, hidden size or feature source, or
             `target_layer_ids` disagrees with the source's.
@@ -138,12 +141,14 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
         n = len(json.loads(index.read_text(encoding="utf-8"))["prompt_lens"])
         return n == min(part_size, len(records) - start)
 
-    already = sum(min(part_size, len(records) - st) for st in starts if complete(st))
-    eta = Eta(len(records), start=already)  # parts on disk (a resumed run) do not count towards the rate
+    mine = [st for st in starts if shard is None or (shard[1] and (st // part_size) % shard[1] == shard[0])]
+    already = sum(min(part_size, len(records) - st) for st in mine if complete(st))
+    eta = Eta(sum(min(part_size, len(records) - st) for st in mine), start=already)  # parts on disk do not
+    done_sequences = already                                                         # count towards the rate
     for start in starts:
         name = f"part-{start // part_size:05d}"
         meta["parts"].append(name)
-        if complete(start):
+        if start not in mine or complete(start):
             continue
         shutil.rmtree(out / name, ignore_errors=True)  # a part written when there were fewer records
         tmp = out / f".{name}.tmp"
@@ -166,12 +171,52 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
                                                     "sources": sources}), encoding="utf-8")
         os.replace(tmp, out / name)
         done_tokens += offsets[-1]
-        say(f"{name}: {eta.text(min(start + part_size, len(records)))} sequences, "
-            f"{done_tokens / (time.perf_counter() - t0):.0f} tok/s")
-        _write_meta(out, {**meta, "parts": list(meta["parts"])})
-    meta["complete"] = True
-    _write_meta(out, meta)
+        done_sequences += len(prompt_lens)
+        say(f"{name}: {eta.text(done_sequences)} sequences, {done_tokens / (time.perf_counter() - t0):.0f} tok/s")
+        if shard is None:
+            _write_meta(out, {**meta, "parts": list(meta["parts"])})
+    if shard is None:
+        meta["complete"] = True
+        _write_meta(out, meta)
     return out
+
+
+def _cache_shard(open_source: Callable[[], object], records: Sequence[dict], out_dir: str, k: int, workers: int,
+                 part_size: int, max_tokens: int) -> None:
+    """One process of `build_feature_cache_parallel`: its own feature source, the parts k mod `workers`."""
+    def say(line: str) -> None:
+        print(f"[features worker {k + 1}/{workers}] {line}", flush=True)
+
+    build_feature_cache(open_source(), records, None, out_dir, part_size=part_size, max_tokens=max_tokens,
+                        progress=say, shard=(k, workers))
+
+
+def build_feature_cache_parallel(open_source: Callable[[], object], records: Sequence[dict], out_dir: str | Path,
+                                 *, workers: int, part_size: int = 64, max_tokens: int = 1024,
+                                 progress: Callable[[str], None] | None = None) -> Path:
+    """`build_feature_cache` over `workers` processes, each with its own feature source (`open_source()`,
+    picklable: e.g. ``functools.partial(EngineFeatures, engine_dir, threads=1)``) and every W-th part.
+
+    Why: on a small CPU, W single-threaded ONNX Runtime sessions prefill more tokens per second than one
+    session with W threads (its softmax and scatter nodes run on one thread; reports/drafter/features-workers.md).
+    The cache is the same part for part: each sequence is computed alone, whichever process takes it.
+    The source's compatibility with the folder is checked before any process starts; a last pass in this
+    process writes meta.json (and computes any part a worker left undone).
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    source = open_source()
+    out = Path(out_dir)
+    build_feature_cache(source, records, None, out, part_size=part_size, max_tokens=max_tokens, shard=(0, 0))
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            jobs = [pool.submit(_cache_shard, open_source, records, str(out), k, workers, part_size, max_tokens)
+                    for k in range(workers)]
+            for job in jobs:
+                job.result()
+    return build_feature_cache(source, records, None, out, part_size=part_size, max_tokens=max_tokens,
+                               progress=progress)
 
 
 @dataclass
