@@ -12,7 +12,7 @@ for _ in range(3):
     t0 = time.perf_counter(); ef.features(toks); t.append(time.perf_counter() - t0)
 print(f"T={T}: {np.median(t)*1e3:.0f} ms per sequence, {T/np.median(t):.0f} tok/s")
 model, last = _feature_graph(Manifest.load(Path("/tmp/eng/main"), verify=False).graph_path("target"))
-so = ort.SessionOptions(); so.intra_op_num_threads = 2; so.log_severity_level = 3; so.enable_profiling = True; so.profile_file_prefix = "/tmp/s17/fprof"
+so = ort.SessionOptions(); so.intra_op_num_threads = 2; so.log_severity_level = 3; so.enable_profiling = True; so.profile_file_prefix = "/tmp/fprof"
 s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 ef.session = s
 for _ in range(3): ef.features(toks)
