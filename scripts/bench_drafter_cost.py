@@ -110,12 +110,16 @@ def _saved_block_feed(sess, R: int, P: int, rng) -> dict:
 
 
 def _target_feed(sess, P: int, rng) -> dict:
+    """One token after P cached entries, over a KV buffer as the runtime holds it: aligned(P + 1) entries
+    (the exact attention's contract, `runtime.kv_cache.KVCache.feed`)."""
+    from dspark_export.exporter.quantize import aligned
+
     feed = {"input_ids": np.array([100]), "position_ids": np.array([P]), "query_start": np.array([0, 1]),
             "cache_lens": np.array([P]), "pad_index": np.zeros((1, 1), np.int64), "logit_rows": np.array([0])}
     for inp in sess.get_inputs():
         if inp.name.startswith("past_"):
             kvh, d = inp.shape[1], inp.shape[3]
-            feed[inp.name] = rng.standard_normal((1, kvh, P, d)).astype(np.float32)
+            feed[inp.name] = rng.standard_normal((1, kvh, aligned(P + 1), d)).astype(np.float32)
     return feed
 
 
