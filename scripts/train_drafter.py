@@ -9,7 +9,8 @@ Stages (each resumable; each reads the previous one's output):
                (--self-prompts K: <run>/data/self_prompts.jsonl) and multi-turn continuations (--multi-turn K:
                <run>/data/follow_ups.jsonl), both answered into train.jsonl (`training.selfdata`)
     features   the target's tapped hidden states and final hidden per token: <run>/features/{train,calibration};
-               with --engine, from the engine directory's target graph (`engines.target_features`)
+               with --engine, from the engine directory's target graph (`engines.target_features`), in
+               --workers W single-threaded processes if asked (each on every W-th part of 64 sequences)
     train      a drafter (--variant dspark | dflash) over the draft vocabulary (--draft-vocab N | full):
                <run>/<name>/ (training_state.pt, metrics.jsonl, checkpoints.jsonl (offline τ per checkpoint on
                the calibration features), draft_vocab.json, drafter/ in DeepSpec layout, fp32, with its
@@ -28,6 +29,7 @@ Usage:
     python scripts/train_drafter.py data --run runs/smollm2 --engine /tmp/eng/default --concurrency 16 \
         --limit 100000 --self-prompts 6000 --multi-turn 2000      # the whole split + self-written + turn 2
     python scripts/train_drafter.py features --run runs/smollm2 --engine /tmp/eng/default   # as the engines compute them
+    python scripts/train_drafter.py features --run runs/smollm2 --engine /tmp/eng/default --workers 2  # 2 processes
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500   # --draft-vocab 8192
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark-fullv --draft-vocab full --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name v2 --block-size 5 --layers 2 --markov-rank 32 \
@@ -157,7 +159,8 @@ def cmd_features(args, say):
     if args.engine:
         from dspark_export.engines.target_features import EngineFeatures
 
-        target = EngineFeatures(args.engine, threads=args.threads)
+        threads = args.threads or (1 if args.workers > 1 else 0)
+        target = EngineFeatures(args.engine, threads=threads)
         taps = target.target_layer_ids
         if args.taps and list(args.taps) != taps:
             raise ConfigError(f"--taps {list(args.taps)}: the engine's target graph taps {taps}")
@@ -171,8 +174,9 @@ def cmd_features(args, say):
             records = records[:args.limit]
         say(f"{part}: {len(records)} records, taps {list(taps)}")
         if args.workers > 1:
-            build_feature_cache_parallel(partial(EngineFeatures, args.engine, threads=args.threads or 1), records,
-                                         Path(args.run) / "features" / part, workers=args.workers, progress=say)
+            build_feature_cache_parallel(partial(EngineFeatures, args.engine, threads=threads), records,
+                                         Path(args.run) / "features" / part, workers=args.workers, progress=say,
+                                         source=target)
         else:
             build_feature_cache(target, records, taps, Path(args.run) / "features" / part,
                                 dtype=getattr(torch, args.dtype), progress=say)
@@ -427,9 +431,11 @@ def parse_args(argv=None):
     p = sub.add_parser("export", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--out", required=True)
-    p = sub.add_parser("pack", parents=[common])
+    p = sub.add_parser("pack")
+    p.add_argument("--run", required=True, help="run folder whose data/*.jsonl are packed")
     p.add_argument("--out", required=True, help="snapshot folder (shards + shards.json)")
-    p = sub.add_parser("unpack", parents=[common])
+    p = sub.add_parser("unpack")
+    p.add_argument("--run", required=True, help="run folder to restore data/*.jsonl into")
     p.add_argument("--from", dest="source", required=True, help="snapshot folder written by pack")
     return parser.parse_args(argv)
 

@@ -109,3 +109,35 @@ def test_parallel_workers_write_the_same_cache(engine_features, tiny_engine_dir,
     (tmp_path / "two" / "meta.json").write_text(json.dumps({**meta, "source": "transformers"}))
     with pytest.raises(ConfigError, match="source is 'transformers'"):
         build_feature_cache_parallel(open_source, records[:6], tmp_path / "two", workers=2, part_size=2)
+
+
+class _ToySource:
+    """A picklable feature source for the worker tests: zeros, and a ConfigError on a sequence starting with
+    `bad` (as EngineFeatures raises on a sequence it cannot take)."""
+
+    def __init__(self, name="toy", bad=-1):
+        self.name, self.bad, self.target_layer_ids, self.hidden_size = name, bad, [0], 4
+
+    def features(self, tokens):
+        if int(tokens[0]) == self.bad:
+            raise ConfigError("features: a sequence it cannot take")
+        return np.zeros((len(tokens), 4), np.float32), np.zeros((len(tokens), 4), np.float32)
+
+
+def test_a_failing_worker_stops_the_run_and_the_folder_keeps_its_source(records, tmp_path):
+    from functools import partial
+
+    from dspark_export.training.features import build_feature_cache_parallel
+
+    rows = [dict(r) for r in records[:8]]
+    rows[5]["prompt_ids"] = [999] + list(rows[5]["prompt_ids"])  # part 2 (worker 1 of 2 takes parts 0 and 2)
+    with pytest.raises(ConfigError, match=r"features worker 1/2 failed: ConfigError: part-00002: record 'toy' row 5"):
+        build_feature_cache_parallel(partial(_ToySource, bad=999), rows, tmp_path, workers=2, part_size=2)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["source"] == "toy" and not meta["complete"]
+    assert (tmp_path / "part-00000" / "index.json").is_file() and not (tmp_path / "part-00002").exists()
+    with pytest.raises(ConfigError, match="source is 'toy' but this run uses 'other'"):
+        build_feature_cache(_ToySource("other"), rows, None, tmp_path, part_size=2)
+    rows[5]["prompt_ids"] = rows[5]["prompt_ids"][1:]
+    build_feature_cache_parallel(partial(_ToySource), rows, tmp_path, workers=5, part_size=2)  # 4 parts: 4 workers
+    assert len(FeatureCache(tmp_path)) == 8

@@ -9,7 +9,7 @@ import pytest
 
 from dspark_export.datasets import default_datasets_dir, read_dataset
 from dspark_export.training import selfdata
-from dspark_export.training.data import read_records
+from dspark_export.training.data import append_jsonl, read_records
 from dspark_export.training.split import EVAL_ONLY, load_split, split_rows
 from dspark_export.training.selfdata import PromptFilter, clean_generated_prompt, normalize_prompt, reserved_prompts
 
@@ -141,10 +141,10 @@ def test_answers_land_as_they_finish_and_an_interrupted_call_loses_only_those_in
 def test_a_whole_last_row_without_its_newline_is_kept(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"a": 1}\n' + '{"b": "' + "x" * 70000 + '"}')  # longer than the backwards scan's block
-    selfdata._append_jsonl(path, [{"c": 3}])
+    append_jsonl(path, [{"c": 3}])
     assert [list(json.loads(x)) for x in path.read_text().splitlines()] == [["a"], ["b"], ["c"]]
     path.write_text('{"a": 1')  # no newline anywhere: nothing whole to keep
-    selfdata._append_jsonl(path, [{"c": 3}])
+    append_jsonl(path, [{"c": 3}])
     assert path.read_text() == '{"c": 3}\n'
 
 

@@ -92,3 +92,40 @@ def test_script_pack_and_unpack(tmp_path):
     assert main(["unpack", "--run", str(tmp_path / "new"), "--from", str(tmp_path / "snap")]) == 0
     assert (tmp_path / "new" / "data" / "train.jsonl").read_text() == '{"row": 0}\n'
     assert main(["unpack", "--run", str(tmp_path / "new"), "--from", str(tmp_path / "none")]) == 2
+
+
+def test_damaged_or_foreign_snapshots_are_named(tmp_path):
+    data, snap = tmp_path / "a", tmp_path / "snap"
+    with pytest.raises(ConfigError, match="expected the data stage's .*no such folder"):
+        pack(data, snap)
+    data.mkdir()
+    with pytest.raises(ConfigError, match="found none"):
+        pack(data, snap)
+    _rows(data / "train.jsonl", [{"row": 0}, {"row": 1}])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="expected a snapshot folder, found a file"):
+        pack(data, tmp_path / "file")
+    pack(data, snap)
+    shard = snap / "train.000.jsonl.xz"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:10] + b"garbage" + good[17:])
+    with pytest.raises(ConfigError, match=r"train\.000\.jsonl\.xz: not a readable xz shard of train\.jsonl"):
+        unpack(snap, tmp_path / "b")
+    shard.unlink()
+    with pytest.raises(ConfigError, match=r"train\.000\.jsonl\.xz: missing"):
+        unpack(snap, tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"shards listed in shards\.json are missing: \['train\.000\.jsonl\.xz'\]"):
+        pack(data, snap)
+    shard.write_bytes(good)
+    (data / "train.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="fewer than the .* a data file only grows"):
+        pack(data, snap)
+    index = json.loads((snap / INDEX).read_text())
+    index["files"]["../../escaped.jsonl"] = index["files"]["train.jsonl"]
+    (snap / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"file name '\.\./\.\./escaped\.jsonl': expected a plain"):
+        unpack(snap, tmp_path / "b")
+    (snap / INDEX).write_text("{not json")
+    with pytest.raises(ConfigError, match="shards.json: not valid JSON"):
+        unpack(snap, tmp_path / "b")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "escaped.jsonl").exists()

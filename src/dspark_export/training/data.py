@@ -15,6 +15,7 @@ Record (one JSON object per line):
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -104,6 +105,7 @@ def generate_responses(model_path: str | Path, split: dict, part: str, datasets_
     groups = [[t for t in todo if ((t[0], t[1]) in sampled) == s] for s in (False, True)]
     t0, tokens, finished = time.perf_counter(), 0, 0
     eta = Eta(len(todo))
+    end_last_line(out_path)  # an interrupted earlier call may have left half a line
     with out_path.open("a", encoding="utf-8") as f:
         for is_sampled, group in zip((False, True), groups):
             group.sort(key=lambda t: len(t[2]))
@@ -137,3 +139,43 @@ def generate_responses(model_path: str | Path, split: dict, part: str, datasets_
                 say(f"{eta.text(finished)} prompts, {tokens} tokens, "
                     f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
     return out_path
+
+
+def append_jsonl(path: Path, rows: list[dict]) -> None:
+    """Append rows, one line each. A last line without its newline (an interrupted write) is finished first:
+    kept with a newline if it is a whole JSON row (readers already count it), cut off if not, so it never
+    becomes a bad line in the middle of the file."""
+    end_last_line(path)
+    with path.open("a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def end_last_line(path: Path, block: int = 1 << 16) -> None:
+    """Make an append-only JSONL file end with a newline: a last line without one (an interrupted write) is
+    kept if it is a whole JSON row, cut off if not."""
+    if not path.is_file() or not path.stat().st_size:
+        return
+    with path.open("rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        pos = end
+        while pos > 0:  # back to the last newline, a block at a time
+            lo = max(0, pos - block)
+            f.seek(lo)
+            chunk = f.read(pos - lo)
+            k = chunk.rfind(b"\n")
+            if k >= 0:
+                pos = lo + k + 1
+                break
+            pos = lo
+        f.seek(pos)
+        try:
+            json.loads(f.read().decode("utf-8"))
+        except ValueError:
+            f.truncate(pos)
+        else:
+            f.write(b"\n")

@@ -132,6 +132,8 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
             raise ConfigError(f"{out}/meta.json: the cache holds {old['num_records']} records but this run gives "
                               f"{len(records)}; a cache only grows (records are append-only): give at least "
                               f"{old['num_records']}")
+    if shard is None or not shard[1]:  # until the last part is in, the folder says "incomplete, this source"
+        _write_meta(out, meta)
     t0, done_tokens = time.perf_counter(), 0
     starts = range(0, len(records), part_size)
     def complete(start: int) -> bool:
@@ -157,7 +159,10 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
         toks, auxs, lasts, offsets, prompt_lens, sources = [], [], [], [0], [], []
         for rec in records[start:start + part_size]:
             seq = (list(rec["prompt_ids"]) + list(rec["response_ids"]))[:max_tokens]
-            aux, last = source.features(seq)
+            try:
+                aux, last = source.features(seq)
+            except ConfigError as e:
+                raise ConfigError(f"{name}: record {rec.get('dataset')!r} row {rec.get('row')!r}: {e}") from None
             auxs.append(np.asarray(aux, np.float16))
             lasts.append(np.asarray(last, np.float16))
             toks.append(np.asarray(seq, np.int32))
@@ -181,40 +186,77 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
     return out
 
 
-def _cache_shard(open_source: Callable[[], object], records: Sequence[dict], out_dir: str, k: int, workers: int,
-                 part_size: int, max_tokens: int) -> None:
-    """One process of `build_feature_cache_parallel`: its own feature source, the parts k mod `workers`."""
-    def say(line: str) -> None:
-        print(f"[features worker {k + 1}/{workers}] {line}", flush=True)
+def _cache_shard(open_source: Callable[[], object], records: Sequence[dict | None], out_dir: str, k: int,
+                 workers: int, part_size: int, max_tokens: int, errors) -> None:
+    """One process of `build_feature_cache_parallel`: its own feature source, the parts k mod `workers`
+    (`records` holds None for the other processes' records). An error goes to `errors` as (k, message)."""
+    import sys
 
-    build_feature_cache(open_source(), records, None, out_dir, part_size=part_size, max_tokens=max_tokens,
-                        progress=say, shard=(k, workers))
+    def say(line: str) -> None:
+        print(f"[features worker {k + 1}/{workers}] {line}", file=sys.stderr, flush=True)
+
+    try:
+        build_feature_cache(open_source(), records, None, out_dir, part_size=part_size, max_tokens=max_tokens,
+                            progress=say, shard=(k, workers))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which stops the others
+        errors.put((k, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1)
 
 
 def build_feature_cache_parallel(open_source: Callable[[], object], records: Sequence[dict], out_dir: str | Path,
                                  *, workers: int, part_size: int = 64, max_tokens: int = 1024,
-                                 progress: Callable[[str], None] | None = None) -> Path:
+                                 progress: Callable[[str], None] | None = None, source=None) -> Path:
     """`build_feature_cache` over `workers` processes, each with its own feature source (`open_source()`,
     picklable: e.g. ``functools.partial(EngineFeatures, engine_dir, threads=1)``) and every W-th part.
 
     Why: on a small CPU, W single-threaded ONNX Runtime sessions prefill more tokens per second than one
     session with W threads (its softmax and scatter nodes run on one thread; reports/drafter/features-workers.md).
     The cache is the same part for part: each sequence is computed alone, whichever process takes it.
-    The source's compatibility with the folder is checked before any process starts; a last pass in this
-    process writes meta.json (and computes any part a worker left undone).
+    The folder's compatibility with the source (`source`, else one more `open_source()`) is checked and
+    meta.json marked incomplete before any process starts; the first process to fail stops the others (parts
+    they finished stay, a part in progress stays a temporary folder) and raises `ConfigError` naming it; a
+    last pass here writes meta.json (and computes any part left undone).
     """
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    import queue
 
-    source = open_source()
+    source = source if source is not None else open_source()
     out = Path(out_dir)
     build_feature_cache(source, records, None, out, part_size=part_size, max_tokens=max_tokens, shard=(0, 0))
+    workers = max(1, min(int(workers), -(-len(records) // part_size)))
     if workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            jobs = [pool.submit(_cache_shard, open_source, records, str(out), k, workers, part_size, max_tokens)
-                    for k in range(workers)]
-            for job in jobs:
-                job.result()
+        ctx = multiprocessing.get_context("spawn")
+        errors = ctx.Queue()
+        procs = [ctx.Process(target=_cache_shard, name=f"features-worker-{k + 1}", daemon=True,
+                             args=(open_source, [r if (i // part_size) % workers == k else None
+                                                 for i, r in enumerate(records)],
+                                   str(out), k, workers, part_size, max_tokens, errors))
+                 for k in range(workers)]
+        for proc in procs:
+            proc.start()
+        failure = None
+        try:
+            while failure is None:
+                try:
+                    failure = errors.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [(k, proc.exitcode) for k, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+                    if dead:  # its own message, if it could send one, else how it ended
+                        try:
+                            failure = errors.get(timeout=2.0)
+                        except queue.Empty:
+                            failure = (dead[0][0], f"exited with code {dead[0][1]}")
+                    elif not any(proc.is_alive() for proc in procs):
+                        break
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+                proc.join()
+        if failure is not None:
+            k, message = failure
+            raise ConfigError(f"{out}: features worker {k + 1}/{workers} failed: {message} (finished parts are "
+                              "kept; the same command resumes)")
     return build_feature_cache(source, records, None, out, part_size=part_size, max_tokens=max_tokens,
                                progress=progress)
 

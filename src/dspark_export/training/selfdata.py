@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 
 import json
-import os
 import random
 import re
 import time
@@ -40,7 +39,7 @@ from typing import Callable, Iterable, Protocol
 from ..datasets import read_dataset
 from ..errors import ConfigError
 from ..progress import Eta
-from .data import read_records
+from .data import append_jsonl, read_records
 from .split import EVAL_ONLY, split_rows
 
 __all__ = ["Responder", "DOMAINS", "META_PROMPT", "FOLLOW_UP_PROMPT", "normalize_prompt", "clean_generated_prompt",
@@ -153,44 +152,6 @@ class PromptFilter:
         return "ok"
 
 
-def _append_jsonl(path: Path, rows: list[dict]) -> None:
-    """Append rows, one line each. A last line without its newline (an interrupted write) is finished first:
-    kept with a newline if it is a whole JSON row (readers already count it), cut off if not, so it never
-    becomes a bad line in the middle of the file."""
-    _end_last_line(path)
-    with path.open("a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-
-
-def _end_last_line(path: Path, block: int = 1 << 16) -> None:
-    if not path.is_file() or not path.stat().st_size:
-        return
-    with path.open("rb+") as f:
-        end = f.seek(0, os.SEEK_END)
-        f.seek(end - 1)
-        if f.read(1) == b"\n":
-            return
-        pos = end
-        while pos > 0:  # back to the last newline, a block at a time
-            lo = max(0, pos - block)
-            f.seek(lo)
-            chunk = f.read(pos - lo)
-            k = chunk.rfind(b"\n")
-            if k >= 0:
-                pos = lo + k + 1
-                break
-            pos = lo
-        f.seek(pos)
-        try:
-            json.loads(f.read().decode("utf-8"))
-        except ValueError:
-            f.truncate(pos)
-        else:
-            f.write(b"\n")
-
-
 def _read_jsonl(path: Path) -> list[dict]:
     """Rows of an append-only JSONL file (a truncated last line, from an interrupted write, is dropped)."""
     if not path.is_file():
@@ -253,7 +214,7 @@ def _answer(responder: Responder, jobs: list[dict], out_path: Path, *, max_new_t
                 return  # an error: not a training record (retried on the next run)
             tokens += len(response)
             written += 1
-            _append_jsonl(out_path, [{"dataset": job["dataset"], "row": job["row"],
+            append_jsonl(out_path, [{"dataset": job["dataset"], "row": job["row"],
                                       "temperature": temperature if sampled else 0.0, "dtype": responder.name,
                                       "prompt_ids": ids, "response_ids": list(response), "finish_reason": finish,
                                       "prompt_text": job["messages"][-1]["content"],
@@ -318,7 +279,7 @@ def write_self_prompts(responder: Responder, split: dict, datasets_dir: str | Pa
         for k, s, (ids, finish) in zip(ks, seeds, outs):
             text, status = _written_prompt(responder, filt, ids, finish)
             rows.append({"row": k, "domain": domains[k % len(domains)], "seed": s, "text": text, "status": status})
-        _append_jsonl(out_path, rows)
+        append_jsonl(out_path, rows)
         old += rows
         say(f"self-written prompts: {len(old)}/{count}, {sum(r['status'] == 'ok' for r in old)} kept")
     return _status_counts(old)
@@ -416,7 +377,7 @@ def write_follow_ups(responder: Responder, split: dict, datasets_dir: str | Path
             text, status = _written_prompt(responder, filt, *next(outs))
             rows.append({"dataset": rec["dataset"], "row": rec["row"], "seed": s, "text": text,
                          "status": status, "user": user, "assistant": answer})
-        _append_jsonl(out_path, rows)
+        append_jsonl(out_path, rows)
         old += rows
         say(f"follow-ups: {len(old)} written, {sum(r['status'] == 'ok' for r in old)} kept")
     return _status_counts(old)

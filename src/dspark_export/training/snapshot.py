@@ -8,8 +8,10 @@ resumes from there. Features and checkpoints are not packed: they are recomputed
 
 Layout of a snapshot folder: ``<name>.<k:03d>.jsonl.xz`` (shard k of ``<name>.jsonl``: whole lines only) and
 ``shards.json``: {"format": 1, "files": {"<name>.jsonl": [{"shard", "lines", "bytes", "sha256"}, ...]}}, where a
-shard's ``bytes`` and ``sha256`` are those of the file's whole content up to the end of that shard, so both
-directions check that one side continues the other before anything is written.
+shard's ``lines``, ``bytes`` and ``sha256`` are those of the file's whole content up to the end of that shard
+(cumulative), so both directions check that one side continues the other before anything is written. A
+snapshot does not know which run it came from: packing another run's files of the same names is refused (they
+do not continue the packed ones), files of other names are added beside them.
 """
 
 from __future__ import annotations
@@ -33,12 +35,30 @@ def _whole_lines(path: Path) -> bytes:
 
 
 def _read_index(folder: Path) -> dict:
+    """shards.json, checked: the format, plain ``*.jsonl`` file names, shard entries with their fields."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{folder}: expected a snapshot folder, found a file")
     path = folder / INDEX
     if not path.is_file():
         return {"format": FORMAT, "files": {}}
-    index = json.loads(path.read_text())
-    if index.get("format") != FORMAT:
-        raise ConfigError(f"{path}: snapshot format {index.get('format')!r}, this version reads {FORMAT}")
+    try:
+        index = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ConfigError(f"{path}: expected snapshot format {FORMAT}, found "
+                          f"{index.get('format') if isinstance(index, dict) else type(index).__name__!r}")
+    files = index.get("files")
+    if not isinstance(files, dict):
+        raise ConfigError(f"{path}: expected a 'files' object")
+    for name, shards in files.items():
+        if Path(name).name != name or not name.endswith(".jsonl") or name.startswith("."):
+            raise ConfigError(f"{path}: file name {name!r}: expected a plain '<name>.jsonl'")
+        if not isinstance(shards, list) or not all(
+                isinstance(x, dict) and {"shard", "lines", "bytes", "sha256"} <= x.keys()
+                and Path(str(x["shard"])).name == x["shard"] for x in shards):
+            raise ConfigError(f"{path}: {name}: expected a list of shards with 'shard' (a plain file name), "
+                              "'lines', 'bytes' and 'sha256'")
     return index
 
 
@@ -50,7 +70,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def _packed(folder: Path, name: str, shards: list[dict]) -> bytes:
     """The concatenated content of a file's shards, checked against the index."""
-    data = b"".join(lzma.decompress((folder / s["shard"]).read_bytes()) for s in shards)
+    parts = []
+    for s in shards:
+        try:
+            parts.append(lzma.decompress((folder / s["shard"]).read_bytes()))
+        except FileNotFoundError:
+            raise ConfigError(f"{folder / s['shard']}: missing ({INDEX} lists it as a shard of {name})") from None
+        except lzma.LZMAError as e:
+            raise ConfigError(f"{folder / s['shard']}: not a readable xz shard of {name} ({e})") from None
+    data = b"".join(parts)
     if shards and (len(data) != shards[-1]["bytes"] or hashlib.sha256(data).hexdigest() != shards[-1]["sha256"]):
         raise ConfigError(f"{folder}: the shards of {name} do not match {INDEX} (expected {shards[-1]['bytes']} "
                           f"bytes with sha256 {shards[-1]['sha256'][:12]}…, found {len(data)} bytes)")
@@ -60,16 +88,27 @@ def _packed(folder: Path, name: str, shards: list[dict]) -> bytes:
 def pack(data_dir: Path, snapshot_dir: Path) -> dict[str, int]:
     """Append each ``data_dir/*.jsonl``'s lines not yet in ``snapshot_dir`` as a new shard.
 
-    Returns {file name: new lines}. Raises `ConfigError` (and writes nothing) when a file does not begin with
-    what the snapshot already holds of it: the snapshot is of another run."""
+    Returns {file name: new lines}. Raises `ConfigError` (and writes nothing) when there is no data file, a
+    shard the index lists is missing, or a file does not begin with what the snapshot already holds of it."""
     data_dir, snapshot_dir = Path(data_dir), Path(snapshot_dir)
     index = _read_index(snapshot_dir)
+    sources = sorted(data_dir.glob("*.jsonl")) if data_dir.is_dir() else []
+    if not sources:
+        raise ConfigError(f"{data_dir}: expected the data stage's *.jsonl files, found "
+                          f"{'no such folder' if not data_dir.is_dir() else 'none'}")
+    missing = [s["shard"] for shards in index["files"].values() for s in shards
+               if not (snapshot_dir / s["shard"]).is_file()]
+    if missing:
+        raise ConfigError(f"{snapshot_dir}: shards listed in {INDEX} are missing: {missing}")
     plans = []
-    for path in sorted(data_dir.glob("*.jsonl")):
+    for path in sources:
         content = _whole_lines(path)
         shards = index["files"].get(path.name, [])
         done = shards[-1]["bytes"] if shards else 0
-        if shards and (len(content) < done or hashlib.sha256(content[:done]).hexdigest() != shards[-1]["sha256"]):
+        if len(content) < done:
+            raise ConfigError(f"{path}: holds {len(content)} bytes of whole lines, fewer than the {done} the "
+                              f"snapshot in {snapshot_dir} already has of it: a data file only grows")
+        if shards and hashlib.sha256(content[:done]).hexdigest() != shards[-1]["sha256"]:
             raise ConfigError(f"{path}: does not continue the snapshot in {snapshot_dir} (its first {done} bytes "
                               "differ from the packed ones): pack another run into another folder")
         if len(content) > done:
