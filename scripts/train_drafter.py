@@ -220,7 +220,7 @@ def cmd_train(args, say):
     cfg = TrainConfig(out_dir=str(out), variant=args.variant, num_draft_layers=args.layers, markov_rank=args.markov_rank,
                       target_layer_ids=tuple(args.taps) if args.taps else None, steps=args.steps,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
-                      seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size,
+                      seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size, bf16=args.bf16,
                       block_size=args.block_size, init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
@@ -403,6 +403,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--time-budget", type=float, help="stop (resumably) after this many seconds")
+    p.add_argument("--bf16", action="store_true",
+                   help="bfloat16 autocast for the matmuls (default fp32: faster on CPUs without fast bf16 matmul, "
+                        "such as the 2-core machines here; reports/drafter/train-step-fp32.md)")
     p.add_argument("--draft-vocab", default=str(DEFAULT_TRAIN_DRAFT_VOCAB), metavar="N|full",
                    help="train over the top N tokens of the ranking (the rest pooled into one bucket of the loss) "
                         f"or the full vocabulary (default {DEFAULT_TRAIN_DRAFT_VOCAB}: the N the shipped drafter "

@@ -22,7 +22,7 @@ confidence head.
 
 Cost: the [M, V] logits (M = B·N·γ rows, V = 49152 for SmolLM2) dominate. ``dspark_loss`` never
 materialises them in fp32: :class:`FusedVocabLoss` walks the rows in chunks, computing per chunk the
-draft and target logits, CE, L1 and the argmax; it keeps p (in the matmul dtype, bf16 when training)
+draft and target logits, CE, L1 and the argmax; it keeps p (in the matmul dtype: fp32, or bf16 with `bf16`)
 and sign(p − q) (int8) as [M, V] tensors for the backward pass, which then runs only the H-wide
 gradient products (the gradients are written out in its docstring). Per-chunk tensors stay in cache instead of streaming ~8 fp32 [M, V]
 temporaries through memory, which roughly halves a training step on CPU (reports/measurement_history.md,
@@ -135,7 +135,7 @@ def make_batch(seqs: list[Sequence_], anchors_per_seq: int, block_size: int, rng
 
 
 @torch.no_grad()
-def target_logsumexp(last: torch.Tensor, W: torch.Tensor, *, bf16: bool = True, chunk: int = 256) -> torch.Tensor:
+def target_logsumexp(last: torch.Tensor, W: torch.Tensor, *, bf16: bool = False, chunk: int = 256) -> torch.Tensor:
     """The target's full-vocabulary logsumexp per row: lse_V(last·Wᵀ) [M] float32 from last [M, H] (final
     hidden) and the LM head W [V, H], the matmul in bfloat16 when `bf16` (as `FusedVocabLoss` computes the
     target logits), in row chunks so [M, V] is never held."""
@@ -298,7 +298,7 @@ class FusedVocabLoss(torch.autograd.Function):
         return gh, None, ga, gW2, None, None, None, None, None
 
 def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights = LossWeights(),
-                bf16: bool = True, *, fused: bool = True, chunk: int = 128,
+                bf16: bool = False, *, fused: bool = True, chunk: int = 128,
                 d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of one batch (formulas in the module docstring).
 
