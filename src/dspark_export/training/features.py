@@ -143,7 +143,7 @@ def build_feature_cache(target, records: Sequence[dict], target_layer_ids: Seque
         n = len(json.loads(index.read_text(encoding="utf-8"))["prompt_lens"])
         return n == min(part_size, len(records) - start)
 
-    mine = [st for st in starts if shard is None or (shard[1] and (st // part_size) % shard[1] == shard[0])]
+    mine = {st for st in starts if shard is None or (shard[1] and (st // part_size) % shard[1] == shard[0])}
     already = sum(min(part_size, len(records) - st) for st in mine if complete(st))
     eta = Eta(sum(min(part_size, len(records) - st) for st in mine), start=already)  # parts on disk do not
     done_sequences = already                                                         # count towards the rate
