@@ -141,3 +141,25 @@ def test_a_failing_worker_stops_the_run_and_the_folder_keeps_its_source(records,
     rows[5]["prompt_ids"] = rows[5]["prompt_ids"][1:]
     build_feature_cache_parallel(partial(_ToySource), rows, tmp_path, workers=5, part_size=2)  # 4 parts: 4 workers
     assert len(FeatureCache(tmp_path)) == 8
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_the_empty_cache_prefill_keeps_the_engines_bits(build_tiny_engine_dir, weights):
+    """On a quantized target (exact attention) the specialised feature graph gives the engine graph's
+    features bit for bit, across KEY_CHUNK boundaries (one chunk, exactly one, several); an fp32 target has no
+    exact attention and is left as it is."""
+    from tests.conftest import TINY_BUILD
+
+    engine_dir = build_tiny_engine_dir(f"features-{weights}", **{**TINY_BUILD, "weights": weights})
+    fast, plain = EngineFeatures(engine_dir, threads=1), EngineFeatures(engine_dir, threads=1, specialise=False)
+    assert fast.specialised_layers == fast._layers and plain.specialised_layers == 0
+    assert fast.name == plain.name
+    rng = np.random.default_rng(1)
+    for length in (1, 5, 127, 128, 129, 300):
+        tokens = rng.integers(3, 256, size=length)
+        for a, b in zip(fast.features(tokens), plain.features(tokens)):
+            assert np.array_equal(a, b), length
+
+
+def test_an_fp32_target_is_not_specialised(engine_features):
+    assert engine_features.specialised_layers == 0

@@ -10,7 +10,9 @@ them. The cost: on a CPU with AMX the transformers target in bfloat16 prefills ~
 The graph is the engine's own `graphs/target.onnx` with one change made in memory: the LM head (its GEMM
 and any Identity/Reshape after it) is dropped, and the GEMM's input (the final-normed rows that
 `logit_rows` picks, here every row) becomes the output `last_hidden` [T, H]; the per-layer
-`new_key`/`new_value` outputs are not requested. Dimension letters as in docs/ARCHITECTURE.md.
+`new_key`/`new_value` outputs are not requested. With the quantized graphs' exact attention, a second change
+(`_empty_cache_prefill`) drops the work that only a non-empty cache needs; the features keep their bits.
+Dimension letters as in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -51,12 +53,99 @@ def _feature_graph(path: Path):
     return model, normed
 
 
+def _empty_cache_prefill(graph) -> int:
+    """Specialise the exact attention (`exporter/target.py: _exact_attention`) of every layer to the one feed
+    `EngineFeatures` gives: one request, cache_lens 0, Q = T new rows, an all-zero cache of P = aligned(T)
+    entries. Returns the number of layers rewritten (0: not the exact attention; the graph is left alone).
+
+    Why: with an empty cache the exact attention does part of its work twice (the cache's chunks multiplied,
+    then every chunk again as a "hot" one) and scatters the new keys' scores element by element; ~1.3x
+    tokens/s at chat lengths (reports/drafter/features-prefill.md). Same bits, because only copies change:
+    - scores: ScatterElements(s_past, slot, s_new) -> Pad(s_new) to P keys. The scatter wrote s_new at keys
+      0..T-1 and kept s_past = alpha·(q·0) = ±0 at keys T..P-1, which the causal mask (key <= query) sets to
+      -inf for every row, as it does the Pad's +0.
+    - values: the chunk GEMM reads Pad(v_new) to P rows instead of the zero cache, and its partials are the
+      result (the hot chunks' GatherND/ScatterND/GEMM go): with cache_lens 0 the hot chunks are chunks
+      0..H-1 holding exactly those rows, the others hold zeros either way, and the GEMM is the same FusedMatMul
+      (shapes, alpha) on the same values.
+    """
+    import onnx
+    from onnx import helper
+
+    nodes = list(graph.node)
+    producer = {out: n for n in nodes for out in n.output}
+    consumers: dict[str, list] = {}
+    for n in nodes:
+        for name in n.input:
+            consumers.setdefault(name, []).append(n)
+
+    def only(name: str, op_type: str):
+        found = [n for n in consumers.get(name, []) if n.op_type == op_type]
+        return found[0] if len(found) == 1 else None
+
+    inputs = {i.name for i in graph.input}
+    layers = []   # (values Reshape, hot chunks' new-value ScatterND, partial ScatterND, cache GEMM)
+    for gemm in nodes:
+        values = producer.get(gemm.input[1]) if gemm.op_type == "FusedMatMul" and len(gemm.input) > 1 else None
+        if values is None or values.op_type != "Reshape" or not values.input[0].startswith("past_value.") \
+                or values.input[0] not in inputs:
+            continue
+        gather = only(values.output[0], "GatherND")
+        hot = only(gather.output[0], "Reshape") if gather is not None else None
+        new_values = only(hot.output[0], "ScatterND") if hot is not None else None
+        partials = only(gemm.output[0], "ScatterND")
+        if new_values is None or partials is None:
+            return 0
+        layers.append((values, new_values, partials, gemm))
+    scatters = [n for n in nodes if n.op_type == "ScatterElements"]
+    if not layers or len(scatters) != len(layers):
+        return 0
+
+    def const(name: str, values: list[int]) -> str:
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array(values, np.int64), name))
+        return name
+
+    n = "empty_cache_prefill"
+    shape = [helper.make_node("Shape", ["past_key.0"], [f"{n}/past_shape"], start=2, end=3),     # [P]
+             helper.make_node("Shape", ["pad_index"], [f"{n}/q"], start=1, end=2),                # [Q]
+             helper.make_node("Sub", [f"{n}/past_shape", f"{n}/q"], [f"{n}/extra"]),
+             helper.make_node("Concat", [const(f"{n}/zeros7", [0] * 7), f"{n}/extra"], [f"{n}/key_pads"], axis=0),
+             helper.make_node("Concat", [const(f"{n}/zeros6", [0] * 6), f"{n}/extra", const(f"{n}/zero1", [0])],
+                              [f"{n}/row_pads"], axis=0)]
+    for node in scatters:                           # [R,kvH,G·Q,Q] -> [R,kvH,G·Q,P]
+        node.op_type = "Pad"
+        del node.attribute[:]
+        node.input[:] = [node.input[2], f"{n}/key_pads"]
+    renamed = {}
+    for values, new_values, partials, gemm in layers:
+        padded = f"{values.output[0]}/{n}"             # [R,kvH,Q,D] -> [R,kvH,P,D]
+        graph.node.insert(list(graph.node).index(values),
+                          helper.make_node("Pad", [new_values.input[2], f"{n}/row_pads"], [padded]))
+        values.input[0] = padded
+        renamed[partials.output[0]] = gemm.output[0]
+    for node in graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    for i, node in enumerate(shape):
+        graph.node.insert(i, node)
+    live = {o.name for o in graph.output}            # drop what no output reads any more
+    kept = []
+    for node in reversed(list(graph.node)):
+        if any(out in live for out in node.output):
+            kept.append(node)
+            live.update(node.input)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    return len(layers)
+
+
 class EngineFeatures:
     """A feature source for `training.features.build_feature_cache` over an engine directory's target.
 
     Args:
         engine_dir: a `dspark-export build` output.
         threads: ONNX Runtime intra-op threads (0: its default).
+        specialise: run the exact attention specialised to an empty cache (`_empty_cache_prefill`; the same
+            bits, faster); False runs the graph as the engines do (for tests and profiles).
     Attributes:
         name: recorded in the cache's meta.json ("engine:<weights>:<digest of the target graph's files>",
             from the manifest's sha256 entries: the same weights under any directory name).
@@ -64,11 +153,12 @@ class EngineFeatures:
             target also EXACT_MAX_KEYS).
         target_layer_ids: the graph's taps (`aux` is their outputs, in this order).
         hidden_size: H.
+        specialised_layers: layers whose attention `_empty_cache_prefill` rewrote (0 for an fp32 target).
     Raises:
         ConfigError: not an engine directory, or a target graph without the expected outputs.
     """
 
-    def __init__(self, engine_dir: str | Path, threads: int = 0):
+    def __init__(self, engine_dir: str | Path, threads: int = 0, specialise: bool = True):
         import onnxruntime as ort
 
         manifest = Manifest.load(Path(engine_dir), verify=False)
@@ -87,6 +177,7 @@ class EngineFeatures:
                                         (graph["path"], graph.get("data") or "")).encode()).hexdigest()
         self.name = f"engine:{self.weights}:{digest[:16]}"
         model, self._last = _feature_graph(manifest.graph_path("target"))
+        self.specialised_layers = _empty_cache_prefill(model.graph) if specialise else 0
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.intra_op_num_threads = int(threads)
