@@ -59,8 +59,8 @@ def _empty_cache_prefill(graph) -> int:
     entries. Returns the number of layers rewritten (0: not the exact attention; the graph is left alone).
 
     Why: with an empty cache the exact attention does part of its work twice (the cache's chunks multiplied,
-    then every chunk again as a "hot" one) and scatters the new keys' scores element by element; ~1.3x
-    tokens/s at chat lengths (reports/drafter/features-prefill.md). Same bits, because only copies change:
+    then every chunk again as a "hot" one) and scatters the new keys' scores element by element
+    (reports/drafter/features-prefill.md has the speed). Same bits, because only copies change:
     - scores: ScatterElements(s_past, slot, s_new) -> Pad(s_new) to P keys. The scatter wrote s_new at keys
       0..T-1 and kept s_past = alpha·(q·0) = ±0 at keys T..P-1, which the causal mask (key <= query) sets to
       -inf for every row, as it does the Pad's +0.
@@ -97,8 +97,8 @@ def _empty_cache_prefill(graph) -> int:
         if new_values is None or partials is None:
             return 0
         layers.append((values, new_values, partials, gemm))
-    scatters = [n for n in nodes if n.op_type == "ScatterElements"]
-    if not layers or len(scatters) != len(layers):
+    scatters = [n for n in nodes if n.op_type == "ScatterElements"]   # the new keys' scores, one per layer
+    if not layers or len(scatters) != len(layers) or len({n.input[1] for n in scatters}) != 1:
         return 0
 
     def const(name: str, values: list[int]) -> str:
