@@ -8,7 +8,7 @@ import torch
 
 from dspark_export.modeling.config import DrafterConfig
 from dspark_export.modeling.drafter import init_drafter
-from dspark_export.training.objective import (dspark_loss, make_batch, target_logsumexp,
+from dspark_export.training.objective import (dspark_loss, make_batch, response_logsumexp, target_logsumexp,
                                               token_to_draft)
 
 
@@ -138,6 +138,27 @@ def test_precomputed_target_logsumexp_equals_the_on_the_fly_one(train_target, fe
     torch.testing.assert_close(l1, l0)
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], msg=name)
+
+
+def test_the_response_rows_logsumexp_trains_as_the_whole_sequences(train_target, feature_cache):
+    """t_lse computed on the response rows only (+inf on the prompt's) gives the same loss, metrics and
+    gradients, padded anchors included (more anchors asked for than the responses have)."""
+    drafter = _drafter(train_target)
+    W = drafter.lm_head.weight.detach()
+    batches = []
+    for fill in (lambda s: target_logsumexp(torch.from_numpy(s.last), W).numpy(), lambda s: response_logsumexp(s, W)):
+        seqs = [feature_cache[i] for i in range(3)]
+        for s in seqs:
+            s.t_lse = fill(s)
+        batches.append(make_batch(seqs, 200, 4, np.random.default_rng(3)))
+    full, response = batches
+    assert not bool(full.keep.all()) and bool(torch.isinf(response.t_lse).any())
+    d2t = _d2t_missing_some_labels(full, drafter.config.vocab_size, 64)
+    l0, m0, g0 = _loss_and_grads(drafter, full, d2t=d2t)
+    l1, m1, g1 = _loss_and_grads(drafter, response, d2t=d2t)
+    assert torch.isfinite(l1) and l1 == l0 and m1 == m0
+    for name in g0:
+        assert torch.equal(g1[name], g0[name]), name
 
 
 def test_bad_d2t_is_refused():

@@ -64,7 +64,7 @@ from ..modeling.layers import apply_rope
 from .features import Sequence_
 
 __all__ = ["LossWeights", "TrainBatch", "make_batch", "sample_anchors", "block_forward", "dspark_loss",
-           "FusedVocabLoss", "target_logsumexp", "token_to_draft"]
+           "FusedVocabLoss", "target_logsumexp", "response_logsumexp", "token_to_draft"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,18 @@ def target_logsumexp(last: torch.Tensor, W: torch.Tensor, *, bf16: bool = False,
         for lo in range(0, last.shape[0], chunk):
             out[lo:lo + chunk] = torch.logsumexp((last[lo:lo + chunk].to(Wc.dtype) @ Wc.T).float(), dim=-1)
     return out
+
+
+def response_logsumexp(seq: Sequence_, W: torch.Tensor, *, bf16: bool = False) -> np.ndarray:
+    """A sequence's `t_lse` [T] float32 for `make_batch`: `target_logsumexp` on its response rows (from
+    prompt_len on), +inf on its prompt rows. Why: the loss reads t_lse only at a block's target positions,
+    anchor + 0..γ-1 with every kept anchor >= prompt_len (`sample_anchors`), and a third of the training tokens
+    are prompt tokens; +inf gives q = 0 (finite losses) on the rows of padded anchors, which weigh 0."""
+    lse = np.full(len(seq.tokens), np.inf, np.float32)
+    start = min(int(seq.prompt_len), len(seq.tokens))
+    if start < len(seq.tokens):
+        lse[start:] = target_logsumexp(torch.as_tensor(np.asarray(seq.last[start:])), W, bf16=bf16).numpy()
+    return lse
 
 
 def token_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ..modeling.drafter import DSparkDrafter, init_drafter
 from ..progress import Eta
 from .calibration import replay_rounds
 from .features import FeatureCache
-from .objective import LossWeights, dspark_loss, make_batch, target_logsumexp
+from .objective import LossWeights, dspark_loss, make_batch, response_logsumexp
 
 __all__ = ["TrainConfig", "train_drafter", "drafter_config_for", "lr_path_from_metrics"]
 
@@ -276,7 +276,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
               if line.strip()} if checkpoints.is_file() else set()
 
     W_head = drafter.lm_head.weight.detach()
-    lse_memo: dict[int, np.ndarray] = {}  # sequence index → the target's full-vocabulary logsumexp [T]
+    lse_memo: dict[int, np.ndarray] = {}  # sequence index → its response rows' full-vocabulary logsumexp [T]
 
     t0, seen = time.perf_counter(), 0
     if cfg.init_from and step == 0 and (eval_cache is None or 0 not in logged):
@@ -298,8 +298,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                         s.tokens, s.aux, s.last = (a[:cfg.max_seq_len] for a in (s.tokens, s.aux, s.last))
                     if d2t is not None:
                         if int(i) not in lse_memo:
-                            lse_memo[int(i)] = target_logsumexp(torch.from_numpy(s.last), W_head,
-                                                                bf16=cfg.bf16).numpy()
+                            lse_memo[int(i)] = response_logsumexp(s, W_head, bf16=cfg.bf16)
                         s.t_lse = lse_memo[int(i)]
                     seqs.append(s)
                 batch = make_batch(seqs, cfg.anchors_per_seq, dcfg.block_size, rng)
