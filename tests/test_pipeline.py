@@ -74,6 +74,13 @@ def test_oracle_drafts_exercise_acceptance(runtime, monkeypatch):
     """Drafts that copy the AR continuation for a varying prefix: none, some and all accepted,
     and the output stays identical to AR (target KV and drafter context commit exactly a+1 rows)."""
     ar = {tuple(p): r.token_ids for p, r in zip(PROMPTS, _run(runtime, "ar", max_new_tokens=30))}
+    # dspark and dspark-async price drafts with the build's profile, timed on whatever else the machine runs
+    # (a loaded one can price every draft out); here verifying and drafting are free, so both verify
+    from dspark_export.engines.sps import ThroughputProfile
+
+    buckets = tuple(BUCKETS["target_buckets"])
+    monkeypatch.setattr("dspark_export.runtime.generator._load_profile", lambda engines: ThroughputProfile(
+        buckets, (100.0,) * len(buckets), draft_requests=(1,), draft_ms=(0.0,)))
     original = EngineStages.draft
     calls = {"n": 0}
 
