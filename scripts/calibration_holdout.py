@@ -36,9 +36,8 @@ def mean_ece(r: Rounds, temperatures, biases=None, bins: int = 20) -> float:
 def holdout(r: Rounds) -> dict:
     half = len(r.conf_logits) // 2
     halves = {"first": take(r, slice(0, half)), "second": take(r, slice(half, None))}
-    out = {"rounds": len(r.conf_logits)}
+    out, G = {"rounds": len(r.conf_logits)}, r.conf_logits.shape[1]
     for fit_on, score_on in (("first", "second"), ("second", "first")):
-        G = r.conf_logits.shape[1]
         both = fit_sts(halves[fit_on])
         plain = fit_sts(halves[fit_on], bias_grid=(0.0,))
         test = halves[score_on]
