@@ -341,11 +341,3 @@ def test_imported_drafter_with_embedding_tap_drafts_exactly_by_default(tiny_targ
     approx = Manifest.load(opt_in).data["source"]["drafter"]["approximations"]
     assert [(a["name"], a["value"]) for a in approx] == [("drafter_lm_head", "int8")]
     assert "approximation drafter_lm_head=int8" in inspect_engine_dir(opt_in).format_text()
-    int4 = tmp_path / "eng-int4"   # a 4-bit head beside 4-bit layers: still lossless
-    build_engine_dir(BuildConfig(out=int4, target=str(tiny_target_dir), drafter=str(ckpt), drafter_lm_head="int4",
-                                 drafter_weights="int4", **BUCKETS))
-    approx = Manifest.load(int4).data["source"]["drafter"]["approximations"]
-    assert [(a["name"], a["value"]) for a in approx] == [("drafter_lm_head", "int4"), ("drafter_weights", "int4")]
-    rt4 = Runtime.open(int4, policy="ar")
-    for a, s in zip(_run(rt4, "ar"), _run(rt4, "fixed:4")):
-        assert s.token_ids == a.token_ids

@@ -98,9 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--profile-context", type=int, default=128, help="past length when timing buckets (128)")
     b.add_argument("--profile-repeats", type=int, default=10, help="timed runs per bucket (10)")
     b.add_argument("--seed", type=int, default=0, help="seed of an untrained drafter's init (0)")
-    b.add_argument("--drafter-lm-head", choices=("auto", "int8", "int4", "float32"), default="auto",
-                   help="the drafter block's LM head: int8 / int4 weights (a quarter / an eighth of the memory "
-                        "traffic; the drafts' "
+    b.add_argument("--drafter-lm-head", choices=("auto", "int8", "float32"), default="auto",
+                   help="the drafter block's LM head: int8 weights (a quarter of the memory traffic; the drafts' "
                         "own logits are what verification uses, so output is unchanged, but near-tied drafts can "
                         "differ) or float32, the target's own head shared. auto (default): float32 for a --drafter "
                         "checkpoint you bring (drafts exactly as its source), int8 for the shipped drafter")

@@ -42,14 +42,14 @@ Progress = Callable[[str], None]
 
 
 #: `build --drafter-lm-head` choices
-DRAFTER_LM_HEADS = ("auto", "int8", "int4", "float32")
+DRAFTER_LM_HEADS = ("auto", "int8", "float32")
 
 
 def resolve_drafter_lm_head(choice: str, drafter_source: dict) -> str:
     """The drafter block's LM head dtype for `choice`: "auto" is float32 for an imported checkpoint (any
     drafter folder other than the shipped one: it then drafts exactly as its source, DeepSpec included, given
     the same target features) and int8 for the shipped drafter and a fresh one (the measured choice:
-    docs/ARCHITECTURE.md "drafter_block.onnx", LM head). "int8" / "int4" / "float32" are taken as given."""
+    docs/ARCHITECTURE.md "drafter_block.onnx", LM head). "int8" / "float32" are taken as given."""
     if choice != "auto":
         return choice
     imported = drafter_source.get("kind") == "checkpoint" and not drafter_source.get("shipped")
@@ -67,10 +67,6 @@ def drafter_approximations(lm_head: str, draft_vocab: int | None = None,
         out.append({"name": "drafter_lm_head", "value": "int8",
                     "effect": "int8 weights with per-vocabulary scales and per-row activation quantization: "
                               "near-tied drafts can flip (output stays lossless; acceptance can differ)"})
-    elif lm_head == "int4":
-        out.append({"name": "drafter_lm_head", "value": "int4",
-                    "effect": "4-bit block weights (MatMulNBits, row-local int8 activations): near-tied drafts "
-                              "can flip (output stays lossless; acceptance can differ)"})
     if draft_vocab is not None:
         out.append({"name": "draft_vocab", "value": int(draft_vocab),
                     "effect": "drafts only from the top-N target tokens (d2t); q is 0 elsewhere (output stays "
@@ -99,8 +95,7 @@ class BuildConfig:
         block_size, num_draft_layers, markov_rank: shape of a fresh (untrained) drafter.
         seed: seed of a fresh drafter's initialisation.
         drafter_lm_head: "auto" (default), "int8" (the drafter block's LM head in int8,
-            `exporter.drafter.int8_lm_head`), "int4" (`exporter.drafter.int4_lm_head`) or "float32" (the
-            target's head, shared).
+            `exporter.drafter.int8_lm_head`) or "float32" (the target's head, shared).
             "auto" is `resolve_drafter_lm_head`: float32 for an imported checkpoint, so it drafts exactly as
             its source, int8 for the shipped drafter and a fresh one.
         weights: the target's weight format, "int4", "int8" or "fp32" (exporter/quantize.py); None =

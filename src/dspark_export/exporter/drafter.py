@@ -78,7 +78,7 @@ class DrafterGraphSpec:
     mask_token_id: int
     markov_rank: int
     has_confidence: bool
-    lm_head_dtype: str = "float32"  #: "float32" (Gemm), "int8" (`int8_lm_head`) or "int4" (`int4_lm_head`)
+    lm_head_dtype: str = "float32"  #: "float32" (Gemm) or "int8" (see `int8_lm_head`)
     #: rows of the LM head: N of the draft vocabulary `d2t` (`draft_vocab_head`), 0 = the full vocabulary V
     draft_vocab_size: int = 0
     #: the drafter layers' linear weights: "float32" or MatMulNBits "int8" / "int4" (`quantize_drafter_layers`)
@@ -128,7 +128,7 @@ def drafter_block_io_contract(spec: DrafterGraphSpec) -> dict:
     return {"inputs": inputs, "outputs": outputs}
 
 
-LM_HEAD_DTYPES = ("float32", "int8", "int4")
+LM_HEAD_DTYPES = ("float32", "int8")
 #: drafter layer weight formats: float32, or ONNX Runtime's MatMulNBits (`quantize_drafter_layers`)
 LAYER_WEIGHTS = ("float32", "int8", "int4")
 #: draft logit of a token outside the draft vocabulary (the op contract's fill, see its schema)
@@ -178,13 +178,10 @@ def draft_vocab_index(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 def draft_vocab_logits(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarray, lm_head_dtype: str) -> str:
-    """Draft-row logits [n, N] of rows h [n, H] through the LM head's d2t rows only (fp32 Gemm,
-    `int8_lm_head` or `int4_lm_head`)."""
+    """Draft-row logits [n, N] of rows h [n, H] through the LM head's d2t rows only (fp32 Gemm or `int8_lm_head`)."""
     w = np.ascontiguousarray(np.asarray(weight, np.float32)[d2t])
     if lm_head_dtype == "int8":
         return int8_lm_head(b, h, w)
-    if lm_head_dtype == "int4":
-        return int4_lm_head(b, h, w)
     return b.op("Gemm", [h, b.weight("lm_head.d2t.weight", w)], "lm_head", transB=1)
 
 
@@ -217,9 +214,8 @@ def quantize_drafter_layers(model: onnx.ModelProto, layer_weights: str, block_si
     Quantized by ONNX Runtime's own tool (`onnxruntime.quantization.matmul_nbits_quantizer`, RTN, blocks of
     `block_size` along the input dimension, symmetric: the default zero point, never the float zero points
     that fall on MatMulNBits' slow path) with ``accuracy_level = 4``: activations go to int8 per block of
-    each row, so a request's drafts never depend on its batch mates. The LM head is left alone (a Gemm,
-    `int8_lm_head`'s MatMulInteger, or `int4_lm_head`'s MatMul, which `quantize_int4_lm_head` quantizes);
-    the attention MatMuls have no constant weight.
+    each row, so a request's drafts never depend on its batch mates. The LM head is a Gemm or
+    MatMulInteger (`int8_lm_head`) and is left alone; the attention MatMuls have no constant weight.
 
     Args:
         model: a drafter graph from `build_context_graph` / `build_block_graph` (weights inline).
@@ -231,25 +227,11 @@ def quantize_drafter_layers(model: onnx.ModelProto, layer_weights: str, block_si
         raise ConfigError(f"drafter layer weights: expected one of {list(LAYER_WEIGHTS)}, found {layer_weights!r}")
     if layer_weights == "float32":
         return model
-    head = [n.name for n in model.graph.node if f"/{INT4_LM_HEAD}/" in n.name]
-    return _matmul_nbits(model, 4 if layer_weights == "int4" else 8, block_size, exclude=head)
-
-
-def quantize_int4_lm_head(model: onnx.ModelProto, block_size: int = 32) -> onnx.ModelProto:
-    """Quantize `int4_lm_head`'s MatMul (the node under ``.../lm_head_int4/``) to MatMulNBits 4-bit, as
-    `quantize_drafter_layers` does the layers; a graph without one is returned unchanged."""
-    others = [n.name for n in model.graph.node if f"/{INT4_LM_HEAD}/" not in n.name]
-    return _matmul_nbits(model, 4, block_size, exclude=others) if len(others) < len(model.graph.node) else model
-
-
-def _matmul_nbits(model: onnx.ModelProto, bits: int, block_size: int, exclude: list[str]) -> onnx.ModelProto:
-    """ONNX Runtime's MatMulNBitsQuantizer over the constant-weight MatMuls of `model` but the nodes named in
-    `exclude`: RTN, symmetric, accuracy_level 4 (row-local). (Its `nodes_to_include` adds to the op types
-    instead of restricting them, hence exclusion.)"""
     import logging
 
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
+    bits = 4 if layer_weights == "int4" else 8
     quant_logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = quant_logger.level
     quant_logger.setLevel(logging.WARNING)  # it logs one INFO line per MatMul
@@ -257,8 +239,7 @@ def _matmul_nbits(model: onnx.ModelProto, bits: int, block_size: int, exclude: l
         cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=4, bits=bits,
                                            op_types_to_quantize=("MatMul",))
         quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
-                                         accuracy_level=4, algo_config=cfg, op_types_to_quantize=("MatMul",),
-                                         nodes_to_exclude=exclude)
+                                         accuracy_level=4, algo_config=cfg, op_types_to_quantize=("MatMul",))
         quantizer.process()
     finally:
         quant_logger.setLevel(level)
@@ -312,29 +293,6 @@ def int8_lm_head(b: GraphBuilder, h: str, weight: np.ndarray) -> str:
     finite_guard = b.op("Mul", [b.op("ReduceSum", [h, b.const([-1])], name, keepdims=1), b.const(0.0, "float32")], name)
     out_scale = b.op("Add", [row_scale, finite_guard], name)   # [n, 1]: NaN for a row holding NaN or ±inf
     return b.op("Mul", [b.op("Mul", [acc, out_scale], name), b.weight("lm_head_int8.scale", scale)], name)
-
-
-#: the node scope of `int4_lm_head`
-INT4_LM_HEAD = "lm_head_int4"
-
-
-def int4_lm_head(b: GraphBuilder, h: str, weight: np.ndarray) -> str:
-    """Draft logits [n, V] float32 of rows h [n, H] through a 4-bit LM head.
-
-    Emitted as ``MatMul(h, weightᵀ)`` (node ``.../lm_head_int4/MatMul``) that `quantize_int4_lm_head` then
-    turns into ONNX Runtime's MatMulNBits: 4-bit symmetric blocks of 32 along H, activations to int8 per
-    block of each row (accuracy_level 4), so a row's logits never depend on its batch mates. Why: the block
-    at R = 1 reads the head once per step and the head is the largest weight left once the layers are
-    4-bit; 4-bit reads half of `int8_lm_head`'s bytes. Verification uses these very logits as q, so output
-    stays lossless; acceptance can differ. MatMulNBits turns a NaN or ±inf input into finite outputs, so
-    ``+ 0·Σh_i`` keeps such a row non-finite, as the fp32 head would, for the runtime's non-finite check.
-    ONNX Runtime only (TensorRT has no MatMulNBits).
-    """
-    w_t = np.ascontiguousarray(np.asarray(weight, np.float32).T)
-    logits = b.op("MatMul", [h, b.weight(f"{INT4_LM_HEAD}.weight", w_t)], INT4_LM_HEAD)
-    finite_guard = b.op("Mul", [b.op("ReduceSum", [h, b.const([-1])], INT4_LM_HEAD, keepdims=1),
-                                b.const(0.0, "float32")], INT4_LM_HEAD)
-    return b.op("Add", [logits, finite_guard], INT4_LM_HEAD)
 
 
 def _embed_name(sd: dict, key: str, target_embed: np.ndarray | None) -> str:
@@ -582,8 +540,6 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
         logits = draft_vocab_head(b, h, sd["lm_head.weight"], d2t, lm_head_dtype)
     elif lm_head_dtype == "int8":
         logits = int8_lm_head(b, h, sd["lm_head.weight"])
-    elif lm_head_dtype == "int4":
-        logits = int4_lm_head(b, h, sd["lm_head.weight"])
     else:
         head = b.weight(_embed_name(sd, "lm_head.weight", target_embed), sd["lm_head.weight"])
         logits = b.op("Gemm", [h, head], "lm_head", transB=1)
@@ -601,8 +557,7 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     b.nodes.append(markov_fn.make_node(op_inputs, outs, "/drafter_block/markov_draft/MarkovDraft", **config))
     for (name, shape, dtype), value in zip(drafter_block_io_contract(spec)["outputs"], outs + [hidden3]):
         b.output(value, name, dtype, shape)
-    return quantize_int4_lm_head(quantize_drafter_layers(b.model(doc="dspark-export drafter block graph"),
-                                                         layer_weights))
+    return quantize_drafter_layers(b.model(doc="dspark-export drafter block graph"), layer_weights)
 
 
 def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec, d2t: np.ndarray | None = None) -> list[str]:
@@ -661,7 +616,7 @@ def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
             named after it so engines hold one copy.
         target_graph: the saved target.onnx in `out_dir`; shared weights then point into its data
             file instead of being written twice.
-        lm_head_dtype: "float32" (the target's head, shared), "int8" (`int8_lm_head`) or "int4" (`int4_lm_head`).
+        lm_head_dtype: "float32" (the target's head, shared) or "int8" (`int8_lm_head`).
         target_weights: the target's weight format; when quantized, the block embeds its tokens from the
             target's quantized table (`quantize.share_quantized_embedding`) instead of a float copy.
         d2t: draft vocabulary [N] (`draft_vocab_head`), None = the full vocabulary.
