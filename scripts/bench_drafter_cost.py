@@ -2,7 +2,7 @@
 """Drafter block cost against the target's one-token step, per draft vocabulary size N and layer format.
 
 For each (N, layer format) the shipped drafter's block graph is exported as `build` would
-(`exporter.drafter.build_block_graph`, int8 LM head) and timed at R = 1, 4, 16 requests with a context of
+(`exporter.drafter.build_block_graph`, int8 LM head unless `--lm-heads` says otherwise) and timed at R = 1, 4, 16 requests with a context of
 `--context` entries; each given target graph is timed at one token (B = 1) with the same past length. All
 sessions use `--threads` intra-op threads and are timed interleaved, round after round, so a change in machine
 load falls on all alike; the median and the interquartile range of the per-round means are reported, and each
@@ -132,6 +132,7 @@ def main(argv=None) -> int:
                    help="also time a saved drafter_block.onnx (e.g. one built by another commit) at each R (repeatable)")
     p.add_argument("--sizes", default="4096,8192,16384,32768,full")
     p.add_argument("--formats", default="float32,int8,int4", help="drafter layer formats")
+    p.add_argument("--lm-heads", default="int8", help="drafter LM head formats (exporter.drafter.LM_HEAD_DTYPES)")
     p.add_argument("--forms", default="auto",
                    help="block forms, comma-separated: auto (what build exports: fused exactly when the layers are "
                         "quantized), plain, fused, contrib (exporter.drafter.build_block_graph's `fused`)")
@@ -192,18 +193,19 @@ def main(argv=None) -> int:
         if gamma != drafter.config.block_size:
             shaped = copy.copy(drafter)  # the same modules; only the frozen config's γ differs
             object.__setattr__(shaped, "config", dataclasses.replace(drafter.config, block_size=gamma))
-        for fmt, form in ((f, form) for f in args.formats.split(",") for form in args.forms.split(",")):
+        for fmt, form, head in ((f, form, h) for f in args.formats.split(",") for form in args.forms.split(",")
+                                for h in args.lm_heads.split(",")):
             fused = {"auto": None, "plain": False, "fused": True, "contrib": "contrib"}[form]
             with torch.no_grad():
-                model = build_block_graph(shaped, inputs.rope, embed, "int8", d2t, fmt, fused=fused)
-            spec = _spec(shaped, "int8", 0 if d2t is None else len(d2t), fmt)
+                model = build_block_graph(shaped, inputs.rope, embed, head, d2t, fmt, fused=fused)
+            spec = _spec(shaped, head, 0 if d2t is None else len(d2t), fmt)
             s = _session(model, args.threads)
             label = f"drafter:N={size}:{fmt}" + ("" if form == "auto" else f":{form}") + \
-                ("" if not args.block_sizes else f":γ={gamma}")
+                ("" if not args.block_sizes else f":γ={gamma}") + ("" if head == "int8" else f":head={head}")
             models[label] = model
-            built.append((size, gamma, fmt, form, label))
+            built.append((size, gamma, fmt, form, head, label))
             sessions[label] = (s, {R: _block_feed(spec, R, args.context, rng) for R in requests})
-            print(f"built N={size} {fmt} {form}", file=sys.stderr, flush=True)
+            print(f"built N={size} {fmt} {form} head {head}", file=sys.stderr, flush=True)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {}
     for rnd in range(args.rounds):
@@ -219,8 +221,8 @@ def main(argv=None) -> int:
                  "q75_ms": round(float(np.percentile(v, 75)), 3)} for k, v in times.items()}
     targets = {k.split(":")[1]: v["median_ms"] for k, v in stats.items() if k.startswith("target:")}
     rows = []
-    for size, gamma, fmt, form, label in built:
-        row = {"N": size, "block_size": gamma, "layers": fmt, "form": form}
+    for size, gamma, fmt, form, head, label in built:
+        row = {"N": size, "block_size": gamma, "layers": fmt, "form": form, "lm_head": head}
         for R in requests:
             st = stats[f"{label}:R={R}"]
             row[f"R{R}_ms"] = st["median_ms"]
