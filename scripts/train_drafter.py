@@ -318,12 +318,11 @@ def cmd_export(args, say):
     say(f"exported {out}: {size / 2**20:.2f} MiB")
     # `build --drafter DIR` treats any folder but the shipped asset as an imported checkpoint (fp32 target,
     # exact drafting); a candidate for the shipped drafter is compared on the shipped drafter's build.
-    from dspark_export.pipeline import SHIPPED_DRAFTER_BUILD
+    from dspark_export.pipeline import shipped_build_flags
 
     if args.target is None:                     # the embedded default, the target the shipped drafter serves
         say(f"to build it as the shipped drafter is built: dspark-export build --drafter {out} --out ENGINE_DIR "
-            f"--weights int4 --draft-vocab {SHIPPED_DRAFTER_BUILD['draft_vocab']} "
-            f"--drafter-weights {SHIPPED_DRAFTER_BUILD['drafter_weights']} --drafter-lm-head int8")
+            f"{shipped_build_flags()}")
 
 
 def cmd_draft_vocab(args, say):

@@ -53,7 +53,7 @@ def resolve_drafter_lm_head(choice: str, drafter_source: dict) -> str:
     if choice != "auto":
         return choice
     imported = drafter_source.get("kind") == "checkpoint" and not drafter_source.get("shipped")
-    return "float32" if imported else "int8"
+    return "float32" if imported else SHIPPED_DRAFTER_BUILD["drafter_lm_head"]
 
 
 def drafter_approximations(lm_head: str, draft_vocab: int | None = None,
@@ -166,7 +166,7 @@ def resolved_weights(cfg: BuildConfig) -> str:
     if cfg.weights is not None:
         return cfg.weights
     imported = cfg.drafter is not None and cfg.drafter != "untrained"
-    return "fp32" if imported else DEFAULT_WEIGHTS
+    return "fp32" if imported else SHIPPED_DRAFTER_BUILD["weights"]
 
 
 @dataclass
@@ -355,14 +355,24 @@ def _write_report(manifest: Manifest) -> None:
                     manifest.root)
 
 
-#: what `build` does by default with the drafter shipped for the embedded target ("auto"); every other drafter
-#: drafts exactly (full vocabulary, float32 layers) unless told. Chosen from the measured τ/cost curve in
-#: reports/drafter/draft-vocab.md.
-#: the shipped drafter's build: d2t of 8,192 tokens (offline τ equal to the full vocabulary's,
-#: reports/drafter/draft-vocab.md); int4 layers (MatMulNBits): the block at R = 1 drops from ~0.35 to ~0.24 of
-#: the int4 target's one-token step there. Like the int4 target, they have no TensorRT import: the TensorRT
+#: what `build` does by default ("auto") with the drafter shipped for the embedded target; every other drafter
+#: drafts exactly (fp32 target with an imported one, full vocabulary, float32 layers and head) unless told.
+#: Chosen from measurements: the int4 target (reports/quant/quant.md); d2t of 8,192 tokens (offline τ equal to
+#: the full vocabulary's, reports/drafter/draft-vocab.md); int4 layers (MatMulNBits: the block at R = 1 drops
+#: from ~0.35 to ~0.24 of the int4 target's one-token step there); the int8 head (a 4-bit one ran slower,
+#: reports/drafter/int4-head/). Like the int4 target, the int4 layers have no TensorRT import: the TensorRT
 #: backend takes `--weights fp32 --drafter-weights float32`.
-SHIPPED_DRAFTER_BUILD = {"draft_vocab": 8192, "drafter_weights": "int4"}
+SHIPPED_DRAFTER_BUILD = {"weights": DEFAULT_WEIGHTS, "draft_vocab": 8192, "drafter_weights": "int4",
+                         "drafter_lm_head": "int8"}
+
+
+def shipped_build_flags() -> str:
+    """`build` flags that build any drafter folder (a candidate for the shipped drafter) as the shipped drafter
+    is built. Why: `build --drafter DIR` treats every folder but the shipped asset as an imported checkpoint
+    (exact drafting, fp32 target), so a candidate would otherwise be compared on a different build."""
+    b = SHIPPED_DRAFTER_BUILD
+    return (f"--weights {b['weights']} --draft-vocab {b['draft_vocab']} --drafter-weights {b['drafter_weights']} "
+            f"--drafter-lm-head {b['drafter_lm_head']}")
 
 
 def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:

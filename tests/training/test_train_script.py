@@ -81,3 +81,21 @@ def test_train_draft_vocab_default_is_the_shipped_build_size():
     from dspark_export.pipeline import SHIPPED_DRAFTER_BUILD
 
     assert _script().DEFAULT_TRAIN_DRAFT_VOCAB == SHIPPED_DRAFTER_BUILD["draft_vocab"]
+
+
+def test_shipped_build_flags_give_what_auto_gives_the_shipped_drafter():
+    """The flags `export` prints for a candidate parse into the choices `build`'s auto makes for the shipped
+    drafter: weights, draft vocabulary, layer format and LM head, each from SHIPPED_DRAFTER_BUILD."""
+    from dspark_export.cli import _parser
+    from dspark_export.pipeline import (SHIPPED_DRAFTER_BUILD, BuildConfig, resolve_drafter_lm_head, resolved_weights,
+                                        shipped_build_flags)
+
+    args = _parser().parse_args(["build", "--drafter", "cand", "--out", "eng", *shipped_build_flags().split()])
+    assert args.weights == resolved_weights(BuildConfig(out="eng")) == SHIPPED_DRAFTER_BUILD["weights"]
+    assert args.drafter_lm_head == resolve_drafter_lm_head("auto", {"kind": "checkpoint", "shipped": True})
+    assert args.draft_vocab == str(SHIPPED_DRAFTER_BUILD["draft_vocab"])
+    assert args.drafter_weights == SHIPPED_DRAFTER_BUILD["drafter_weights"]
+    # without the flags the same folder builds as an imported checkpoint: exact drafting, fp32 target
+    bare = _parser().parse_args(["build", "--drafter", "cand", "--out", "eng"])
+    assert resolved_weights(BuildConfig(out="eng", drafter=bare.drafter)) == "fp32"
+    assert resolve_drafter_lm_head(bare.drafter_lm_head, {"kind": "checkpoint", "shipped": False}) == "float32"
