@@ -166,7 +166,7 @@ def resolved_weights(cfg: BuildConfig) -> str:
     if cfg.weights is not None:
         return cfg.weights
     imported = cfg.drafter is not None and cfg.drafter != "untrained"
-    return "fp32" if imported else SHIPPED_DRAFTER_BUILD["weights"]
+    return "fp32" if imported else DEFAULT_WEIGHTS
 
 
 @dataclass
