@@ -3,8 +3,10 @@
 Paper §3.2.2: the scheduler maximises τ·SPS(B), with SPS "profiled once during engine
 initialization and stored as a lightweight cost table". Each bucket is timed at a stated context
 length with a verification-shaped batch: R = ⌈B/(γ+1)⌉ requests, each verifying up to γ+1 rows,
-every row asking for logits, all requests at the same past length. Warm-up runs are discarded;
-the median, p10 and p90 of the timed runs are kept. SPS(B) = 1000 / median_ms.
+every row asking for logits, all requests at the same past length. Every target and drafter-block bucket
+is timed round-robin (`time_interleaved`: target B, drafter R, target B', ...), so load that drifts during
+the profile moves all of them alike and each pass follows another engine's as in the loop. Warm-up runs
+are discarded; the median, p10 and p90 of the timed runs are kept. SPS(B) = 1000 / median_ms.
 
 A table whose latency falls as B grows (beyond the p10-p90 spread) is reported in `warnings`,
 not silently used.
@@ -23,6 +25,7 @@ layouts with their measured and fitted latencies, and the largest relative error
 
 from __future__ import annotations
 
+import itertools
 import math
 import platform
 import time
@@ -35,7 +38,7 @@ from ..exporter.quantize import KEY_CHUNK, aligned
 from .engine_set import EngineSet
 from .packing import Segment, pack_segments
 
-__all__ = ["measure_profile", "measure_layout_cost", "fit_layout_cost", "time_runner", "engine_feed"]
+__all__ = ["measure_profile", "measure_layout_cost", "fit_layout_cost", "time_runner", "time_interleaved", "engine_feed"]
 
 _FIT_WARN = 0.25   # a layout fit whose largest relative error exceeds this is reported in `warnings`
 
@@ -47,53 +50,87 @@ def time_runner(runner, feed: dict, warmup: int, repeats: int, budget_ms: float 
     others while the warm-ups took under a quarter of the budget; then at least min(3, repeats) timed runs,
     more until `repeats` or until the timed runs add up to the budget. "repeats" is the count timed.
     """
-    spent = 0.0
+    return time_interleaved({0: (runner, feed)}, warmup, repeats, budget_ms)[0]
+
+
+def time_interleaved(items: dict, warmup: int, repeats: int, budget_ms: float | None = None) -> dict:
+    """`time_runner` for several engines at once, timed round-robin: {key: stats} for items {key: (runner, feed)}.
+
+    Each round runs every item that still wants runs once, in the order given (warm-ups first, then the
+    timed runs), each item with `time_runner`'s counts and budget. Why round-robin: a change in machine
+    load during the profile then falls on every bucket alike instead of on whichever was being timed, so the
+    ratios the scheduler reads (t(B)/t(1), drafter block / target step) hold when the level drifts; and each
+    pass runs after another engine's, as in the speculative loop (target, drafter, target, ...), with its
+    caches cold and the previous session's threads still spinning, not after a copy of itself.
+    """
+    spent = {k: 0.0 for k in items}
+    times: dict = {k: [] for k in items}
+
+    def run(key) -> float:
+        runner, feed = items[key]
+        t0 = time.perf_counter()
+        runner.infer(feed)
+        return (time.perf_counter() - t0) * 1e3
+
     for i in range(max(1, warmup) if warmup else 0):
-        if budget_ms is not None and i and spent >= budget_ms / 4:
-            break
-        t0 = time.perf_counter()
-        runner.infer(feed)
-        spent += (time.perf_counter() - t0) * 1e3
-    times: list[float] = []
-    while len(times) < repeats:
-        if budget_ms is not None and len(times) >= min(3, repeats) and sum(times) >= budget_ms:
-            break
-        t0 = time.perf_counter()
-        runner.infer(feed)
-        times.append((time.perf_counter() - t0) * 1e3)
-    p10, med, p90 = np.percentile(times, [10, 50, 90])
-    return {"median_ms": round(float(med), 3), "p10_ms": round(float(p10), 3), "p90_ms": round(float(p90), 3),
-            "repeats": len(times)}
+        for key in items:
+            if budget_ms is None or not i or spent[key] < budget_ms / 4:
+                spent[key] += run(key)
+
+    def wants(key) -> bool:
+        done = times[key]
+        return len(done) < repeats and (budget_ms is None or len(done) < min(3, repeats) or sum(done) < budget_ms)
+
+    while active := [k for k in items if wants(k)]:
+        for key in active:
+            times[key].append(run(key))
+    out = {}
+    for key, done in times.items():
+        p10, med, p90 = np.percentile(done, [10, 50, 90])
+        out[key] = {"median_ms": round(float(med), 3), "p10_ms": round(float(p10), 3),
+                    "p90_ms": round(float(p90), 3), "repeats": len(done)}
+    return out
 
 
-def _kv_feed(spec: dict, num: int, capacity: int, key: str, value: str) -> dict:
+def _kv_feed(spec: dict, num: int, capacity: int, key: str, value: str, pool: dict | None = None) -> dict:
     """One written buffer per layer and per K/V, as the runtime's cache holds them. Why not one shared
     zero buffer: pages np.zeros never wrote all map the same physical zero page, and one buffer for every
     layer stays in the CPU caches, so both time the attention reads too fast (reports/measurement_history.md,
-    "profiler KV buffers")."""
+    "profiler KV buffers").
+
+    `pool` (a dict kept by the caller): feeds of the same capacity share their buffers, each taking the first
+    `num` slots of the largest (a contiguous view), so the feeds that `time_interleaved` holds at once cost
+    the memory of the largest alone; build the largest first.
+    """
     shape = (num, spec["num_kv_heads"], capacity, spec["head_dim"])
     feed = {}
     for layer in range(spec["num_layers"]):
-        feed[f"{key}.{layer}"] = np.full(shape, 0.01, np.float32)
-        feed[f"{value}.{layer}"] = np.full(shape, 0.01, np.float32)
+        for name in (f"{key}.{layer}", f"{value}.{layer}"):
+            buffer = None if pool is None else pool.get((name, capacity))
+            if buffer is None or buffer.shape[0] < num:
+                buffer = np.full(shape, 0.01, np.float32)
+                if pool is not None:
+                    pool[(name, capacity)] = buffer
+            feed[name] = buffer[:num]
     return feed
 
 
-def _target_feed(spec: dict, bucket: int, context_len: int, block: int) -> dict:
+def _target_feed(spec: dict, bucket: int, context_len: int, block: int, pool: dict | None = None) -> dict:
     width = block + 1
     num = math.ceil(bucket / width)
     sizes = [width] * (num - 1) + [bucket - width * (num - 1)]
-    return _layout_feed(spec, sizes, num, context_len + width, context_len, bucket)
+    return _layout_feed(spec, sizes, num, context_len + width, context_len, bucket, pool)
 
 
-def _layout_feed(spec: dict, sizes: list[int], num_slots: int, capacity: int, context_len: int, bucket: int) -> dict:
+def _layout_feed(spec: dict, sizes: list[int], num_slots: int, capacity: int, context_len: int, bucket: int,
+                 pool: dict | None = None) -> dict:
     """Segments of `sizes` rows in the first slots of `num_slots`, each at past length `context_len`, over
-    written KV buffers (`_kv_feed`) of `capacity` entries per slot (grown as the runtime's cache grows:
-    `quantize.aligned`, room for the padded query width), packed into `bucket` rows."""
+    written KV buffers (`_kv_feed`, sharing `pool`) of `capacity` entries per slot (grown as the runtime's
+    cache grows: `quantize.aligned`, room for the padded query width), packed into `bucket` rows."""
     segments = [Segment(r, np.ones(q, np.int64), context_len) for r, q in enumerate(sizes)]
     packed = pack_segments(segments, num_slots, np.full(num_slots, context_len, np.int64), bucket)
     capacity = aligned(max(capacity, context_len + packed.feed["pad_index"].shape[1]))
-    return {**packed.feed, **_kv_feed(spec, num_slots, capacity, "past_key", "past_value")}
+    return {**packed.feed, **_kv_feed(spec, num_slots, capacity, "past_key", "past_value", pool)}
 
 
 def _layout_of(feed: dict, spec: dict) -> dict:
@@ -103,10 +140,10 @@ def _layout_of(feed: dict, spec: dict) -> dict:
     return {"S": int(s), "Q": int(q), "P": int(feed["past_key.0"].shape[2])}
 
 
-def _block_feed(spec: dict, num: int, context_len: int, block: int) -> dict:
+def _block_feed(spec: dict, num: int, context_len: int, block: int, pool: dict | None = None) -> dict:
     return {"anchor_ids": np.ones(num, np.int64), "start_positions": np.full(num, context_len, np.int64),
             "context_lens": np.full(num, context_len, np.int64),
-            **_kv_feed(spec, num, context_len, "context_key", "context_value"),
+            **_kv_feed(spec, num, context_len, "context_key", "context_value", pool),
             "temperature": np.zeros(num, np.float32), "top_k": np.zeros(num, np.int64),
             "top_p": np.ones(num, np.float32), "uniforms": np.full((num, block), 0.5, np.float32),
             "confidence_temperature": np.ones(block, np.float32)}
@@ -182,7 +219,7 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
         context_len: as `measure_profile`.
         warmup: untimed runs per layout. Defaults to 2.
         repeats: timed runs per layout. Defaults to 6.
-        progress: called with a short label before each layout.
+        progress: called with a short label before the layouts are timed.
         budget_ms: `time_runner`'s time budget per layout (None: always `repeats`).
     Returns:
         {"ms_per_row_entry", "ms_per_slot_entry", "max_error_pct", "layouts": [{"S", "Q", "P", "N", "rows",
@@ -195,17 +232,20 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
     shapes = [(1, [w]), (s_max, [1] * s_max), (s_max, [w, w]), (2, [w, w])]
     p1 = aligned(context_len + w)
     capacities = [p1, max(p1 + KEY_CHUNK, aligned(min(max(4 * p1, 1024), int(runtime["max_context"]))))]
-    rows = []
-    for cap in capacities:
-        for num, sizes in shapes:
-            if num < len(sizes) or sum(sizes) > buckets[-1]:
-                continue
-            n = next(b for b in buckets if b >= sum(sizes))
-            if progress:
-                progress(f"attention S={num} rows={sum(sizes)} (longest {max(sizes)}) P={cap}")
-            feed = _layout_feed(spec, sizes, num, cap, cap - w, n)
-            stats = time_runner(engines.runner_exact("target", n), feed, warmup, repeats, budget_ms)
-            rows.append({**_layout_of(feed, spec), "N": n, "rows": sum(sizes), **stats})
+    layouts = [(cap, num, sizes) for cap in capacities for num, sizes in shapes
+               if num >= len(sizes) and sum(sizes) <= buckets[-1]]
+    rows, items, pool = [None] * len(layouts), {}, {}
+    for i in sorted(range(len(layouts)), key=lambda i: -layouts[i][1]):  # the most slots first (`_kv_feed`)
+        cap, num, sizes = layouts[i]
+        n = next(b for b in buckets if b >= sum(sizes))
+        feed = _layout_feed(spec, sizes, num, cap, cap - w, n, pool)
+        items[i] = (engines.runner_exact("target", n), feed)
+        rows[i] = {**_layout_of(feed, spec), "N": n, "rows": sum(sizes)}
+    items = dict(sorted(items.items()))
+    if progress and rows:
+        progress(f"attention: {len(rows)} layouts at P = {', '.join(str(c) for c in capacities)}, interleaved")
+    for i, stats in time_interleaved(items, warmup, repeats, budget_ms).items():
+        rows[i].update(stats)
     if not rows:
         return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": []}
     fit, fitted = fit_layout_cost(rows)
@@ -248,30 +288,38 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
         context_len: past length of every request during timing, in tokens. Defaults to 128.
         warmup: untimed runs per bucket. Defaults to 3.
         repeats: timed runs per bucket. Defaults to 10.
-        progress: called with a short label before each bucket.
-        budget_ms: time budget per bucket and per layout (`time_runner`): the large buckets, whose passes
+        progress: called with a short label before each timing phase (buckets, then layouts).
+        budget_ms: time budget per bucket and per layout (`time_interleaved`): the large buckets, whose passes
             are long and steady, get fewer timed runs. Defaults to 1000 ms; None: always `repeats`.
     Returns:
         the sps.json object (see the module docstring).
     """
-    from ..progress import Eta
-
     graphs = engines.manifest.data["graphs"]
     block = graphs["drafter_block"]["spec"]["block_size"]
-    target, rows_t, rows_d = graphs["target"]["spec"], [], []
-    eta = Eta(len(engines.buckets("target")) + len(engines.buckets("drafter_block")))
-    for b in engines.buckets("target"):
-        if progress:
-            progress(f"target B={b} ({eta.text(len(rows_t))})")
-        feed = _target_feed(target, b, context_len, block)
-        stats = time_runner(engines.runner_exact("target", b), feed, warmup, repeats, budget_ms)
-        rows_t.append({"B": b, **stats, "sps": round(1000.0 / stats["median_ms"], 3), **_layout_of(feed, target)})
-    for r in engines.buckets("drafter_block"):
-        if progress:
-            progress(f"drafter R={r} ({eta.text(len(rows_t) + len(rows_d))})")
-        feed = _block_feed(graphs["drafter_block"]["spec"], r, context_len, block)
-        rows_d.append({"R": r, **time_runner(engines.runner_exact("drafter_block", r), feed, warmup, repeats,
-                                             budget_ms)})
+    target = graphs["target"]["spec"]
+    items, layouts, pool = {}, {}, {}
+    for b in sorted(engines.buckets("target"), reverse=True):  # the largest first (`_kv_feed`)
+        feed = _target_feed(target, b, context_len, block, pool)
+        items[("target", b)] = (engines.runner_exact("target", b), feed)
+        layouts[b] = _layout_of(feed, target)
+    for r in sorted(engines.buckets("drafter_block"), reverse=True):
+        items[("drafter_block", r)] = (engines.runner_exact("drafter_block", r),
+                                       _block_feed(graphs["drafter_block"]["spec"], r, context_len, block, pool))
+    rows_t = [{"B": b, **layouts[b]} for b in engines.buckets("target")]
+    rows_d = [{"R": r} for r in engines.buckets("drafter_block")]
+    # loop order: target B, drafter R, target B', drafter R', ... then the larger target buckets
+    order = [k for pair in itertools.zip_longest([("target", r["B"]) for r in rows_t],
+                                                 [("drafter_block", r["R"]) for r in rows_d]) for k in pair if k]
+    if progress:
+        progress(f"target B = {', '.join(str(r['B']) for r in rows_t)} and drafter R = "
+                 f"{', '.join(str(r['R']) for r in rows_d)}, interleaved")
+    stats = time_interleaved({k: items[k] for k in order}, warmup, repeats, budget_ms)
+    for row in rows_t:
+        s = stats[("target", row["B"])]
+        row.update({**s, "sps": round(1000.0 / s["median_ms"], 3)})
+        row.update({k: row.pop(k) for k in ("S", "Q", "P")})  # keep the field order of earlier files
+    for row in rows_d:
+        row.update(stats[("drafter_block", row["R"])])
     attention = measure_layout_cost(engines, context_len, min(warmup, 2), max(3, repeats // 2), progress=progress,
                                     budget_ms=budget_ms)
     fit_warn = [f"attention: the layout fit is off by up to {attention['max_error_pct']} % on the measured layouts"] \
