@@ -208,10 +208,28 @@ def _train_d2t(args, target, out: Path, say):
     return size, select_d2t(ranking["ranking"], size, vocab)
 
 
+def _domain_weights(text: str | None) -> dict | None:
+    """--domain-weights "code=2.5,chat=1.2" -> {"code": 2.5, "chat": 1.2}; None or "" -> None."""
+    if not text:
+        return None
+    out = {}
+    for part in text.split(","):
+        name, eq, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            raise DsparkExportError(f"--domain-weights: expected DOMAIN=WEIGHT[,DOMAIN=WEIGHT...], found {part!r} "
+                                    f"in {text!r}")
+    return out
+
+
 def cmd_train(args, say):
     from dspark_export.modeling.checkpoint import save_drafter
     from dspark_export.training.draft_vocab import DRAFT_VOCAB_FILE
     from dspark_export.training.features import FeatureCache
+    from dspark_export.training.selfdata import record_domain
     from dspark_export.training.trainer import TrainConfig, lr_path_from_metrics, train_drafter
 
     _, target = _target(args)
@@ -221,7 +239,8 @@ def cmd_train(args, say):
                       target_layer_ids=tuple(args.taps) if args.taps else None, steps=args.steps,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
                       seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size, bf16=args.bf16,
-                      block_size=args.block_size, init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
+                      block_size=args.block_size, init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
+                      domain_weights=_domain_weights(args.domain_weights))
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     eval_dir = Path(args.run) / "features" / "calibration"
@@ -230,9 +249,11 @@ def cmd_train(args, say):
         eval_cache = None
     if eval_cache is None and args.eval_limit:
         say(f"no calibration features in {eval_dir}: no τ per checkpoint")
-    drafter = train_drafter(target, FeatureCache(Path(args.run) / "features" / "train"), cfg, progress=say,
-                            time_budget_s=args.time_budget, lr_schedule=schedule, d2t=d2t, eval_cache=eval_cache,
-                            eval_stride=args.eval_stride, eval_limit=args.eval_limit)
+    cache = FeatureCache(Path(args.run) / "features" / "train")
+    domains = [record_domain(cache.source(i)) for i in range(len(cache))] if cfg.domain_weights else None
+    drafter = train_drafter(target, cache, cfg, progress=say, time_budget_s=args.time_budget, lr_schedule=schedule,
+                            d2t=d2t, eval_cache=eval_cache, eval_stride=args.eval_stride, eval_limit=args.eval_limit,
+                            domains=domains)
     import torch
 
     step = torch.load(out / "training_state.pt", weights_only=True)["step"]
@@ -422,6 +443,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-stride", type=int, default=4, help="τ per checkpoint: every k-th calibration position")
     p.add_argument("--eval-limit", type=int, default=64,
                    help="τ per checkpoint over the first N calibration sequences (0 = no τ log)")
+    p.add_argument("--domain-weights", metavar="DOMAIN=W,...",
+                   help="draw records of a domain (math, code, chat: training.selfdata.record_domain) W times as "
+                        "often as weight 1, e.g. code=2.5 (default: every record alike)")
     p.add_argument("--init-from", metavar="DRAFTER_DIR",
                    help="start the run from a trained drafter of the same architecture (e.g. the shipped one; "
                         "γ may differ) instead of a random init")

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from dspark_export.datasets import default_datasets_dir, read_dataset
+from dspark_export.errors import ConfigError
 from dspark_export.training import selfdata
 from dspark_export.training.data import append_jsonl, read_records
 from dspark_export.training.split import EVAL_ONLY, load_split, split_rows
@@ -220,3 +221,26 @@ def test_data_script_with_engine(data_engine_dir, tmp_path):
     size = (data / "train.jsonl").stat().st_size
     assert main(run) == 0 and (data / "train.jsonl").stat().st_size == size  # resumed: nothing to do
     assert main(["data", "--run", str(tmp_path / "r2"), "--self-prompts", "2"]) == 2  # needs --engine
+
+
+def test_record_domains():
+    from dspark_export.training.selfdata import DOMAINS, TOPIC_DOMAIN, record_domain
+
+    assert record_domain({"dataset": "gsm8k", "row": 4}) == "math"
+    assert record_domain({"dataset": "lbpp", "row": 0}) == record_domain({"dataset": "mbpp", "row": 0}) == "code"
+    assert record_domain({"dataset": "arena-hard-v2", "row": 1}) == "chat"
+    k = DOMAINS.index("SQL and databases")
+    assert record_domain({"dataset": "self-written", "row": k + 2 * len(DOMAINS)}) == "code"
+    assert record_domain({"dataset": "multi-turn:self-written", "row": DOMAINS.index("travel")}) == "chat"
+    assert record_domain({"dataset": "multi-turn:aime24", "row": 3}) == "math"
+    assert sorted(set(TOPIC_DOMAIN.values())) == ["chat", "code", "math"] and set(TOPIC_DOMAIN) == set(DOMAINS)
+    with pytest.raises(ConfigError, match="'toy' has no domain"):
+        record_domain({"dataset": "toy", "row": 0})
+
+
+def test_every_training_dataset_has_a_domain():
+    from dspark_export.training.selfdata import record_domain
+
+    for name in load_split()["datasets"]:
+        if name not in EVAL_ONLY:
+            assert record_domain({"dataset": name, "row": 0}) in ("math", "code", "chat")

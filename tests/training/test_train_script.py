@@ -71,6 +71,14 @@ def test_train_script_stages(tiny_target_dir, tmp_path):
     assert main(["export", *run, "--name", "v", "--out", str(tmp_path / "shipped-v")]) == 0
     assert (tmp_path / "shipped-v" / "draft_vocab.json").is_file()
     assert main(["train", *run, "--name", "w", "--draft-vocab", "lots", "--steps", "1"]) == 2
+    # domain-weighted sampling: a domain the records have, then a typo and a malformed weight
+    from dspark_export.training.selfdata import record_domain
+
+    domain = record_domain(json.loads(lines[0]))
+    assert main(["train", *run, "--name", "dw", "--domain-weights", f"{domain}=3", "--steps", "1",
+                 "--seqs-per-step", "1", "--anchors-per-seq", "4", "--markov-rank", "8"]) == 0
+    assert main(["train", *run, "--name", "dx", "--domain-weights", "cdoe=3", "--steps", "1"]) == 2
+    assert main(["train", *run, "--name", "dy", "--domain-weights", "code", "--steps", "1"]) == 2
     # an interrupted run says so and leaves no drafter folder
     assert main(["train", *run, "--name", "e", "--steps", "50", "--seqs-per-step", "1", "--anchors-per-seq", "4",
                  "--markov-rank", "8", "--time-budget", "0"]) == 0

@@ -133,3 +133,49 @@ def test_lr_path_from_another_run_is_followed_step_by_step(train_target, feature
         lr_path_from_metrics(tmp_path / "empty.jsonl")
     with pytest.raises(ConfigError, match="cannot read"):
         lr_path_from_metrics(tmp_path / "missing.jsonl")
+
+
+def _picked_rows(monkeypatch, *args, **kwargs) -> list[int]:
+    """Train, recording the source row of every sequence the steps drew."""
+    from dspark_export.training import trainer
+    from dspark_export.training.objective import make_batch
+
+    rows = []
+
+    def recording(seqs, *a, **kw):
+        rows.extend(int(s.source["row"]) for s in seqs)
+        return make_batch(seqs, *a, **kw)
+
+    monkeypatch.setattr(trainer, "make_batch", recording)
+    train_drafter(*args, **kwargs)
+    return rows
+
+
+def test_domain_weights_draw_records_by_their_domain(train_target, feature_cache, tmp_path, monkeypatch):
+    domains = ["code" if i < 3 else "chat" for i in range(len(feature_cache))]   # rows 0-2 code, 3-9 chat
+    uniform = _picked_rows(monkeypatch, train_target, feature_cache, _cfg(tmp_path / "uniform", 30))
+    heavy = _picked_rows(monkeypatch, train_target, feature_cache,
+                         _cfg(tmp_path / "code", 30, domain_weights={"code": 1e6}), domains=domains)
+    # two sequences a step without replacement: with code 10^6 times as likely, each step draws two of the three code
+    # rows (a chat row only with odds ~1e-5); uniform draws 3/10 code rows
+    assert all(r < 3 for r in heavy) and len(heavy) == 60
+    assert 0.1 < np.mean([r < 3 for r in uniform]) < 0.5
+
+
+def test_domain_weights_need_every_records_domain(train_target, feature_cache, tmp_path):
+    cfg = _cfg(tmp_path, 2, domain_weights={"code": 2.0})
+    with pytest.raises(ConfigError, match="one domain per record"):
+        train_drafter(train_target, feature_cache, cfg)
+    with pytest.raises(ConfigError, match=r"no record has domain \['code'\]"):
+        train_drafter(train_target, feature_cache, cfg, domains=["chat"] * len(feature_cache))
+    for bad in ({}, {"code": 0.0}, {"code": float("inf")}, {"code": True}, [("code", 2.0)]):
+        with pytest.raises(ConfigError, match="domain_weights"):
+            _cfg(tmp_path, 2, domain_weights=bad)
+
+
+def test_a_run_resumes_only_with_its_own_domain_weights(train_target, feature_cache, tmp_path):
+    domains = ["code" if i < 3 else "chat" for i in range(len(feature_cache))]
+    train_drafter(train_target, feature_cache, _cfg(tmp_path, 4, domain_weights={"code": 2.0}), domains=domains,
+                  stop_at=2)
+    with pytest.raises(ConfigError, match="domain_weights"):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path, 4, domain_weights={"code": 3.0}), domains=domains)

@@ -309,6 +309,11 @@ class FeatureCache:
     def num_tokens(self) -> int:
         return sum(int(idx["offsets"][-1]) for _, idx in self._parts)
 
+    def source(self, i: int) -> dict:
+        """Sequence i's source ({"dataset", "row", "temperature"}) without reading its arrays."""
+        p, j = self._index[i]
+        return self._parts[p][1]["sources"][j]
+
     def __getitem__(self, i: int) -> Sequence_:
         p, j = self._index[i]
         arrays, index = self._parts[p]

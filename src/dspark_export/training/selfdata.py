@@ -36,7 +36,7 @@ import unicodedata
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
-from ..datasets import read_dataset
+from ..datasets import DOMAINS as BENCH_DOMAINS, read_dataset
 from ..errors import ConfigError
 from ..progress import Eta
 from .data import append_jsonl, read_records
@@ -56,6 +56,11 @@ DOMAINS = ("everyday life and practical advice", "cooking and food", "travel", "
            "Python programming", "JavaScript and web development", "debugging a program", "algorithms and data structures",
            "SQL and databases", "shell commands and Linux", "arithmetic word problems", "algebra", "geometry",
            "probability and statistics", "calculus", "logic puzzles")
+#: Each self-written topic's acceptance-benchmark domain (`datasets.DOMAINS`): the first 16 topics are chat,
+#: then 6 code, then 6 math.
+TOPIC_DOMAIN = {t: "chat" if i < 16 else "code" if i < 22 else "math" for i, t in enumerate(DOMAINS)}
+#: The domain of the training split's datasets outside the acceptance benchmark's `datasets.DOMAINS`.
+EXTRA_DATASET_DOMAIN = {"aime24": "math", "lbpp": "code", "swe-bench": "code"}
 #: The meta-prompt; on SmolLM2-135M this wording at T 0.7 / top-p 0.9 gave on-topic questions where "write one
 #: question ... that a user might send to an AI assistant" at T 1 gave mostly off-topic text (reports/drafter).
 META_PROMPT = "Give an example of a question that a person might ask about {domain}. Reply with the question only."
@@ -66,6 +71,28 @@ FOLLOW_UP_PROMPT = ("Here is a conversation between a user and an assistant.\n\n
 PROMPT_TEMPERATURE, PROMPT_TOP_P = 0.7, 0.9
 _PREFIX = re.compile(r"^\s*(a (?:person|user) (?:might|could|may) ask|user(?:'s)? (?:message|question)|user|question|"
                      r"request|message)\s*[:,]?\s*", re.IGNORECASE)
+
+
+def record_domain(source: dict) -> str:
+    """"math", "code" or "chat": the acceptance-benchmark domain of a training record, from its source
+    {"dataset", "row"}. Self-written prompts take their topic's (row k asked about ``DOMAINS[k % len(DOMAINS)]``),
+    multi-turn continuations their parent's (same row).
+
+    Raises:
+        ConfigError: a dataset with no known domain.
+    """
+    dataset = str(source.get("dataset", ""))
+    dataset = dataset[len(MULTI_TURN_PREFIX):] if dataset.startswith(MULTI_TURN_PREFIX) else dataset
+    if dataset == SELF_DATASET:
+        return TOPIC_DOMAIN[DOMAINS[int(source["row"]) % len(DOMAINS)]]
+    for domain, names in BENCH_DOMAINS.items():
+        if dataset in names:
+            return domain
+    if dataset in EXTRA_DATASET_DOMAIN:
+        return EXTRA_DATASET_DOMAIN[dataset]
+    raise ConfigError(f"record_domain: dataset {source.get('dataset')!r} has no domain; expected one of "
+                      f"{sorted(set(sum(BENCH_DOMAINS.values(), ())) | set(EXTRA_DATASET_DOMAIN) | {SELF_DATASET})} "
+                      f"(or {MULTI_TURN_PREFIX}<one of them>)")
 
 
 class Responder(Protocol):

@@ -20,6 +20,7 @@ Usage:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -72,6 +73,9 @@ class TrainConfig:
     threads: int = 0
     draft_vocab: int | None = None  #: N of the d2t passed to `train_drafter`; None = the full vocabulary
     init_from: str | None = None  #: a trained drafter folder to start from (warm start); None = `init_drafter`
+    #: sampling weight per record domain ({"code": 2.5}: a code record is drawn 2.5 times as often; domains not
+    #: named weigh 1); None = every record alike. `train_drafter` then needs each record's domain.
+    domain_weights: dict | None = None
 
     def __post_init__(self):
         if self.variant not in ("dspark", "dflash"):
@@ -84,6 +88,12 @@ class TrainConfig:
                                              or self.draft_vocab < 1):
             raise ConfigError(f"TrainConfig.draft_vocab: expected None (full vocabulary) or an integer N >= 1, "
                               f"found {self.draft_vocab!r}")
+        if self.domain_weights is not None and (
+                not isinstance(self.domain_weights, dict) or not self.domain_weights or
+                not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and 0 < v < float("inf") for k, v in self.domain_weights.items())):
+            raise ConfigError(f"TrainConfig.domain_weights: expected None or a non-empty {{domain: weight > 0}}, "
+                              f"found {self.domain_weights!r}")
 
 
 def drafter_config_for(target, cfg: TrainConfig) -> DrafterConfig:
@@ -164,11 +174,27 @@ def _warm_start(drafter: DSparkDrafter, target, folder: Path) -> None:
                 drafter.state_dict()[name].copy_(tensor)
 
 
+def _pick_probabilities(cfg: TrainConfig, domains: list[str] | None, num_records: int,
+                        usable: np.ndarray) -> np.ndarray | None:
+    """The probability of drawing each usable record ([len(usable)], sums to 1), or None (uniform)."""
+    if cfg.domain_weights is None:
+        return None
+    if domains is None or len(domains) != num_records:
+        raise ConfigError(f"train_drafter: TrainConfig.domain_weights needs one domain per record "
+                          f"({num_records}), found {None if domains is None else len(domains)}")
+    unknown = sorted(set(cfg.domain_weights) - set(domains))
+    if unknown:
+        raise ConfigError(f"TrainConfig.domain_weights: no record has domain {unknown}; the records' domains are "
+                          f"{sorted(set(domains))}")
+    weights = np.array([float(cfg.domain_weights.get(domains[i], 1.0)) for i in usable])
+    return weights / weights.sum()
+
+
 def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Callable[[str], None] | None = None,
                   *, stop_at: int | None = None, time_budget_s: float | None = None,
                   lr_schedule: Callable[[int], float] | None = None, d2t=None,
                   eval_cache: FeatureCache | None = None, eval_stride: int = 4,
-                  eval_limit: int | None = None) -> DSparkDrafter:
+                  eval_limit: int | None = None, domains: list[str] | None = None) -> DSparkDrafter:
     """Train (or resume) a drafter on a feature cache; returns it in eval mode with is_trained=True.
 
     `stop_at` (a step) and `time_budget_s` (wall seconds of this call) end the call early, with the
@@ -178,10 +204,13 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     N = `cfg.draft_vocab`): train over the draft vocabulary. `eval_cache` (e.g. the calibration split's
     features): at every checkpoint, the offline τ over its first `eval_limit` sequences at every
     `eval_stride`-th position is appended to ``checkpoints.jsonl`` (drafts over d2t when given).
+    `domains` [len(cache)] (e.g. `selfdata.record_domain` of each record): with `cfg.domain_weights`, each
+    step draws its sequences (without replacement) with probability ∝ the weight of their domain.
 
     Raises:
         ConfigError: the cache's taps differ from the drafter's, the state file is from another config or
-            another d2t, or d2t does not match `cfg.draft_vocab`.
+            another d2t, d2t does not match `cfg.draft_vocab`, or `domains` is missing (with domain weights)
+            or not one per record.
     """
     say = progress or (lambda line: None)
     lr_at = lr_schedule or (lambda i: _lr_at(i, cfg))
@@ -225,6 +254,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
         mine = {k: v for k, v in cfg_dict.items() if k not in ("steps", "save_every", "log_every", "threads")}
         saved.setdefault("draft_vocab", None)  # states written before the draft-vocabulary loss
         saved.setdefault("init_from", None)  # states written before warm starts
+        saved.setdefault("domain_weights", None)  # states written before domain-weighted sampling
         if saved != mine:
             raise ConfigError(f"{state_path}: saved for another config; differing fields "
                               f"{sorted(k for k in mine if saved.get(k) != mine[k])}")
@@ -244,6 +274,12 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     usable = np.nonzero(lengths - np.array([cache[i].prompt_len for i in range(len(cache))]) >= 2)[0]
     say(f"{len(usable)} sequences, {int(lengths[usable].sum())} tokens; {cfg.steps} steps × "
         f"{cfg.seqs_per_step} seqs × {cfg.anchors_per_seq} anchors; variant {cfg.variant}")
+    pick_p = _pick_probabilities(cfg, domains, len(cache), usable)
+    if pick_p is not None:
+        shares = collections.Counter()
+        for i, p in zip(usable, pick_p):
+            shares[domains[i]] += p
+        say("sampling by domain: " + ", ".join(f"{d} {100 * v:.0f} %" for d, v in sorted(shares.items())))
 
     def save(evaluate: bool = True):
         nonlocal eval_s
@@ -290,7 +326,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                     say(f"time budget of {time_budget_s:.0f} s reached at step {step}")
                     break
                 rng_at_step_start = rng.bit_generator.state
-                picks = rng.choice(usable, size=cfg.seqs_per_step, replace=False)
+                picks = rng.choice(usable, size=cfg.seqs_per_step, replace=False, p=pick_p)
                 seqs = []
                 for i in picks:
                     s = cache[int(i)]
