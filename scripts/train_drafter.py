@@ -209,19 +209,30 @@ def _train_d2t(args, target, out: Path, say):
 
 
 def _domain_weights(text: str | None) -> dict | None:
-    """--domain-weights "code=2.5,chat=1.2" -> {"code": 2.5, "chat": 1.2}; None or "" -> None."""
+    """--domain-weights "code=2.5,chat=1.2" -> {"code": 2.5, "chat": 1.2}; None or "" -> None. Checked before
+    anything loads or is written: each domain once, one of `record_domain`'s, a weight in DOMAIN_WEIGHT_RANGE."""
+    from dspark_export.training.selfdata import RECORD_DOMAINS
+    from dspark_export.training.trainer import DOMAIN_WEIGHT_RANGE
+
     if not text:
         return None
     out = {}
+    low, high = DOMAIN_WEIGHT_RANGE
     for part in text.split(","):
-        name, eq, value = part.partition("=")
+        name, eq, value = (x.strip() for x in part.partition("="))
         try:
-            out[name.strip()] = float(value)
+            weight = float(value)
         except ValueError:
-            eq = ""
-        if not eq or not name.strip():
+            weight = None
+        if not eq or not name or weight is None:
             raise DsparkExportError(f"--domain-weights: expected DOMAIN=WEIGHT[,DOMAIN=WEIGHT...], found {part!r} "
                                     f"in {text!r}")
+        if name not in RECORD_DOMAINS or name in out:
+            raise DsparkExportError(f"--domain-weights: {'repeated' if name in out else 'unknown'} domain {name!r}; "
+                                    f"expected each of {', '.join(RECORD_DOMAINS)} at most once")
+        if not low <= weight <= high:
+            raise DsparkExportError(f"--domain-weights: {name}'s weight {value} is outside [{low:g}, {high:g}]")
+        out[name] = weight
     return out
 
 
@@ -232,6 +243,7 @@ def cmd_train(args, say):
     from dspark_export.training.selfdata import record_domain
     from dspark_export.training.trainer import TrainConfig, lr_path_from_metrics, train_drafter
 
+    domain_weights = _domain_weights(args.domain_weights)   # bad input refused before anything loads
     _, target = _target(args)
     out = Path(args.run) / args.name
     size, d2t = _train_d2t(args, target, out, say)
@@ -240,7 +252,7 @@ def cmd_train(args, say):
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
                       seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size, bf16=args.bf16,
                       block_size=args.block_size, init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
-                      domain_weights=_domain_weights(args.domain_weights))
+                      domain_weights=domain_weights)
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     eval_dir = Path(args.run) / "features" / "calibration"

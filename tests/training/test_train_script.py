@@ -79,6 +79,7 @@ def test_train_script_stages(tiny_target_dir, tmp_path):
                  "--seqs-per-step", "1", "--anchors-per-seq", "4", "--markov-rank", "8"]) == 0
     assert main(["train", *run, "--name", "dx", "--domain-weights", "cdoe=3", "--steps", "1"]) == 2
     assert main(["train", *run, "--name", "dy", "--domain-weights", "code", "--steps", "1"]) == 2
+    assert not (tmp_path / "run" / "dx").exists() and not (tmp_path / "run" / "dy").exists()   # refused up front
     # an interrupted run says so and leaves no drafter folder
     assert main(["train", *run, "--name", "e", "--steps", "50", "--seqs-per-step", "1", "--anchors-per-seq", "4",
                  "--markov-rank", "8", "--time-budget", "0"]) == 0
@@ -107,3 +108,15 @@ def test_shipped_build_flags_give_what_auto_gives_the_shipped_drafter():
     bare = _parser().parse_args(["build", "--drafter", "cand", "--out", "eng"])
     assert resolved_weights(BuildConfig(out="eng", drafter=bare.drafter)) == "fp32"
     assert resolve_drafter_lm_head(bare.drafter_lm_head, {"kind": "checkpoint", "shipped": False}) == "float32"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("code=2,code=3", "repeated domain 'code'"), ("Code=2", "unknown domain 'Code'"),
+    ("code=nan", "outside"), ("code=inf", "outside"), ("code=0", "outside"), ("code=1e308", "outside"),
+    ("code=", "expected DOMAIN=WEIGHT"), ("=2", "expected DOMAIN=WEIGHT")])
+def test_domain_weights_flag_is_checked_by_name(text, message):
+    from dspark_export.errors import DsparkExportError
+
+    with pytest.raises(DsparkExportError, match=f"--domain-weights: .*{message}"):
+        _script()._domain_weights(text)
+    assert _script()._domain_weights(" code = 2.5 ,chat=1") == {"code": 2.5, "chat": 1.0}

@@ -168,7 +168,8 @@ def test_domain_weights_need_every_records_domain(train_target, feature_cache, t
         train_drafter(train_target, feature_cache, cfg)
     with pytest.raises(ConfigError, match=r"no record has domain \['code'\]"):
         train_drafter(train_target, feature_cache, cfg, domains=["chat"] * len(feature_cache))
-    for bad in ({}, {"code": 0.0}, {"code": float("inf")}, {"code": True}, [("code", 2.0)]):
+    for bad in ({}, {"code": 0.0}, {"code": float("inf")}, {"code": float("nan")}, {"code": 1e308}, {"code": 1e-320},
+                {"code": True}, [("code", 2.0)]):
         with pytest.raises(ConfigError, match="domain_weights"):
             _cfg(tmp_path, 2, domain_weights=bad)
 

@@ -299,9 +299,8 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
     target = graphs["target"]["spec"]
     items, layouts, pool = {}, {}, {}
     for b in sorted(engines.buckets("target"), reverse=True):  # the largest first (`_kv_feed`)
-        feed = _target_feed(target, b, context_len, block, pool)
-        items[("target", b)] = (engines.runner_exact("target", b), feed)
-        layouts[b] = _layout_of(feed, target)
+        items[("target", b)] = (engines.runner_exact("target", b), _target_feed(target, b, context_len, block, pool))
+        layouts[b] = _layout_of(items[("target", b)][1], target)
     for r in sorted(engines.buckets("drafter_block"), reverse=True):
         items[("drafter_block", r)] = (engines.runner_exact("drafter_block", r),
                                        _block_feed(graphs["drafter_block"]["spec"], r, context_len, block, pool))
@@ -320,6 +319,7 @@ def measure_profile(engines: EngineSet, context_len: int = 128, warmup: int = 3,
         row.update({k: row.pop(k) for k in ("S", "Q", "P")})  # keep the field order of earlier files
     for row in rows_d:
         row.update(stats[("drafter_block", row["R"])])
+    del items, pool   # free these feeds' KV buffers before the layouts allocate theirs
     attention = measure_layout_cost(engines, context_len, min(warmup, 2), max(3, repeats // 2), progress=progress,
                                     budget_ms=budget_ms)
     fit_warn = [f"attention: the layout fit is off by up to {attention['max_error_pct']} % on the measured layouts"] \

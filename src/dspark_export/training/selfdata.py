@@ -56,6 +56,8 @@ DOMAINS = ("everyday life and practical advice", "cooking and food", "travel", "
            "Python programming", "JavaScript and web development", "debugging a program", "algorithms and data structures",
            "SQL and databases", "shell commands and Linux", "arithmetic word problems", "algebra", "geometry",
            "probability and statistics", "calculus", "logic puzzles")
+#: The domains `record_domain` returns (the acceptance benchmark's, `datasets.DOMAINS`).
+RECORD_DOMAINS = tuple(BENCH_DOMAINS)
 #: Each self-written topic's acceptance-benchmark domain (`datasets.DOMAINS`): the first 16 topics are chat,
 #: then 6 code, then 6 math.
 TOPIC_DOMAIN = {t: "chat" if i < 16 else "code" if i < 22 else "math" for i, t in enumerate(DOMAINS)}

@@ -44,6 +44,11 @@ from .objective import LossWeights, dspark_loss, make_batch, response_logsumexp
 __all__ = ["TrainConfig", "train_drafter", "drafter_config_for", "lr_path_from_metrics"]
 
 
+#: The weights `TrainConfig.domain_weights` accepts: within it no draw probability underflows to 0 and no sum
+#: of weights overflows.
+DOMAIN_WEIGHT_RANGE = (1e-6, 1e6)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Hyper-parameters of one run. `variant` "dspark" (Markov + confidence heads) or "dflash"
@@ -91,8 +96,10 @@ class TrainConfig:
         if self.domain_weights is not None and (
                 not isinstance(self.domain_weights, dict) or not self.domain_weights or
                 not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                        and 0 < v < float("inf") for k, v in self.domain_weights.items())):
-            raise ConfigError(f"TrainConfig.domain_weights: expected None or a non-empty {{domain: weight > 0}}, "
+                        and DOMAIN_WEIGHT_RANGE[0] <= v <= DOMAIN_WEIGHT_RANGE[1]
+                        for k, v in self.domain_weights.items())):
+            raise ConfigError(f"TrainConfig.domain_weights: expected None or a non-empty {{domain: weight}} with "
+                              f"weights in [{DOMAIN_WEIGHT_RANGE[0]:g}, {DOMAIN_WEIGHT_RANGE[1]:g}], "
                               f"found {self.domain_weights!r}")
 
 
