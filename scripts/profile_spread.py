@@ -25,13 +25,13 @@ def _row(path: str) -> list[float]:
 
 
 def main(argv: list[str]) -> int:
-    groups, current = [], []
-    for arg in argv + ["--"]:
+    groups: list[list[str]] = [[]]
+    for arg in argv:
         if arg == "--":
-            groups.append(current) if current else None
-            current = []
+            groups.append([])
         else:
-            current.append(arg)
+            groups[-1].append(arg)
+    groups = [g for g in groups if g]
     print("| group | runs | " + " | ".join(COLUMNS) + " |")
     print("|---|---:|" + "---:|" * len(COLUMNS))
     for i, paths in enumerate(groups):
