@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from dspark_export.bench.peers import PeersBenchConfig, _ours
+    from dspark_export.engines.sps import SPS_PATH, read_sps
     from dspark_export.runtime.api import Runtime
     from dspark_export.runtime.stages import EngineStages
 
@@ -48,9 +48,8 @@ def main(argv=None) -> int:
     log.clear()
     for x in ids:
         list(gen(x, 128))
-    sps = json.loads((Path(args.engine_dir) / "profile" / "sps.json").read_text(encoding="utf-8"))
-    profiled = {("target", r["B"]): r["median_ms"] for r in sps["target"]}
-    profiled.update({("drafter_block", r["R"]): r["median_ms"] for r in sps["drafter_block"]})
+    profiled = {(graph, b): ms for graph, rows in read_sps(Path(args.engine_dir) / SPS_PATH).latencies_ms().items()
+                for b, ms in rows.items()}
     print("| graph | bucket | runs | in loop, median ms | profiled ms |\n|---|---:|---:|---:|---:|")
     for (graph, bucket), ms in sorted(log.items()):
         print(f"| {graph} | {bucket} | {len(ms)} | {np.median(ms):.3f} | {profiled.get((graph, bucket), '')} |")

@@ -8,7 +8,6 @@ largest error; per group, the median [min–max]. Groups are separated by `--`.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
@@ -17,11 +16,13 @@ COLUMNS = ("t(1) ms", "t(8) ms", "d(1) ms", "d(1)/t(1)", "t(8)/t(1)", "d(16)/t(1
 
 
 def _row(path: str) -> list[float]:
-    p = json.load(open(path, encoding="utf-8"))
-    t = {r["B"]: r["median_ms"] for r in p["target"]}
-    d = {r["R"]: r["median_ms"] for r in p["drafter_block"]}
+    from dspark_export.engines.sps import read_sps
+
+    sps = read_sps(path)
+    ms = sps.latencies_ms()
+    t, d = ms["target"], ms["drafter_block"]
     big = max(r for r in d if r in t)
-    return [t[1], t[8], d[1], d[1] / t[1], t[8] / t[1], d[big] / t[big], p["attention"]["max_error_pct"]]
+    return [t[1], t[8], d[1], d[1] / t[1], t[8] / t[1], d[big] / t[big], sps.get("attention")["max_error_pct"]]
 
 
 def main(argv: list[str]) -> int:

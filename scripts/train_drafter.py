@@ -210,14 +210,13 @@ def _train_d2t(args, target, out: Path, say):
 
 def _domain_weights(text: str | None) -> dict | None:
     """--domain-weights "code=2.5,chat=1.2" -> {"code": 2.5, "chat": 1.2}; None or "" -> None. Checked before
-    anything loads or is written: each domain once, one of `record_domain`'s, a weight in DOMAIN_WEIGHT_RANGE."""
+    anything loads or is written: each domain once, one of `record_domain`'s, a weight `TrainConfig` accepts."""
     from dspark_export.training.selfdata import RECORD_DOMAINS
-    from dspark_export.training.trainer import DOMAIN_WEIGHT_RANGE
+    from dspark_export.training.trainer import check_domain_weights
 
     if not text:
         return None
     out = {}
-    low, high = DOMAIN_WEIGHT_RANGE
     for part in text.split(","):
         name, eq, value = (x.strip() for x in part.partition("="))
         try:
@@ -230,9 +229,8 @@ def _domain_weights(text: str | None) -> dict | None:
         if name not in RECORD_DOMAINS or name in out:
             raise DsparkExportError(f"--domain-weights: {'repeated' if name in out else 'unknown'} domain {name!r}; "
                                     f"expected each of {', '.join(RECORD_DOMAINS)} at most once")
-        if not low <= weight <= high:
-            raise DsparkExportError(f"--domain-weights: {name}'s weight {value} is outside [{low:g}, {high:g}]")
         out[name] = weight
+    check_domain_weights(out, "--domain-weights")
     return out
 
 

@@ -49,6 +49,17 @@ __all__ = ["TrainConfig", "train_drafter", "drafter_config_for", "lr_path_from_m
 DOMAIN_WEIGHT_RANGE = (1e-6, 1e6)
 
 
+def check_domain_weights(weights, name: str) -> None:
+    """Raise ConfigError (naming `name`, e.g. a flag) unless `weights` is a non-empty {domain: number} with every
+    weight in DOMAIN_WEIGHT_RANGE."""
+    low, high = DOMAIN_WEIGHT_RANGE
+    if not isinstance(weights, dict) or not weights or not all(isinstance(k, str) for k in weights):
+        raise ConfigError(f"{name}: expected a non-empty {{domain: weight}}, found {weights!r}")
+    for domain, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not low <= w <= high:
+            raise ConfigError(f"{name}: {domain}'s weight {w!r} is outside [{low:g}, {high:g}]")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Hyper-parameters of one run. `variant` "dspark" (Markov + confidence heads) or "dflash"
@@ -93,14 +104,8 @@ class TrainConfig:
                                              or self.draft_vocab < 1):
             raise ConfigError(f"TrainConfig.draft_vocab: expected None (full vocabulary) or an integer N >= 1, "
                               f"found {self.draft_vocab!r}")
-        if self.domain_weights is not None and (
-                not isinstance(self.domain_weights, dict) or not self.domain_weights or
-                not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                        and DOMAIN_WEIGHT_RANGE[0] <= v <= DOMAIN_WEIGHT_RANGE[1]
-                        for k, v in self.domain_weights.items())):
-            raise ConfigError(f"TrainConfig.domain_weights: expected None or a non-empty {{domain: weight}} with "
-                              f"weights in [{DOMAIN_WEIGHT_RANGE[0]:g}, {DOMAIN_WEIGHT_RANGE[1]:g}], "
-                              f"found {self.domain_weights!r}")
+        if self.domain_weights is not None:
+            check_domain_weights(self.domain_weights, "TrainConfig.domain_weights")
 
 
 def drafter_config_for(target, cfg: TrainConfig) -> DrafterConfig:
