@@ -36,7 +36,11 @@ def test_feature_cache_resumes_and_rejects_other_taps(train_target, records, tmp
     stamp = (tmp_path / "part-00000" / "aux.npy").stat().st_mtime_ns
     build_feature_cache(model, records[:6], ids, tmp_path, part_size=2, dtype=torch.float32)
     assert (tmp_path / "part-00000" / "aux.npy").stat().st_mtime_ns == stamp  # kept, not recomputed
-    assert len(FeatureCache(tmp_path)) == 6
+    cache = FeatureCache(tmp_path)
+    assert len(cache) == 6
+    # lengths from the index, across parts, equal the arrays' (the trainer sizes its draws from them)
+    assert [cache.length(i) for i in range(6)] == [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records[:6]]
+    assert [cache.prompt_len(i) for i in range(6)] == [cache[i].prompt_len for i in range(6)]
     with pytest.raises(ConfigError, match="target_layer_ids"):
         build_feature_cache(model, records[:2], ids[:1], tmp_path, part_size=2, dtype=torch.float32)
 

@@ -309,6 +309,17 @@ class FeatureCache:
     def num_tokens(self) -> int:
         return sum(int(idx["offsets"][-1]) for _, idx in self._parts)
 
+    def length(self, i: int) -> int:
+        """Sequence i's token count T, from the index (no array is read)."""
+        p, j = self._index[i]
+        offsets = self._parts[p][1]["offsets"]
+        return int(offsets[j + 1]) - int(offsets[j])
+
+    def prompt_len(self, i: int) -> int:
+        """Sequence i's prompt token count, from the index (no array is read)."""
+        p, j = self._index[i]
+        return int(self._parts[p][1]["prompt_lens"][j])
+
     def source(self, i: int) -> dict:
         """Sequence i's source ({"dataset", "row", "temperature"}) without reading its arrays."""
         p, j = self._index[i]

@@ -282,8 +282,8 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
         step = state["step"]
         prior_s = float(state.get("train_s", 0.0))
         say(f"resumed {out} at step {step}")
-    lengths = np.array([len(cache[i].tokens) for i in range(len(cache))])
-    usable = np.nonzero(lengths - np.array([cache[i].prompt_len for i in range(len(cache))]) >= 2)[0]
+    lengths = np.array([cache.length(i) for i in range(len(cache))])
+    usable = np.nonzero(lengths - np.array([cache.prompt_len(i) for i in range(len(cache))]) >= 2)[0]
     say(f"{len(usable)} sequences, {int(lengths[usable].sum())} tokens; {cfg.steps} steps × "
         f"{cfg.seqs_per_step} seqs × {cfg.anchors_per_seq} anchors; variant {cfg.variant}")
     pick_p = _pick_probabilities(cfg, domains, len(cache), usable)
