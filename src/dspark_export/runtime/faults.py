@@ -74,12 +74,13 @@ def check_drafts(drafts: dict, decoding: list[RequestState], vocab_size: int, en
 
 def check_target(packed, out: dict, segments: list, num_layers: int, engine: str) -> dict[int, str]:
     """Slots whose target rows (logits, aux_hidden, new K/V) hold NaN/Inf → reason. A row is finite iff its
-    sum is (a NaN or ±Inf term makes the sum non-finite). `engine` names the pass where `packed` has none."""
+    sum is (a NaN or ±Inf term makes the sum non-finite); a row's features and every layer's K/V are summed
+    as one row (one reduction per pass, not one per output: this check runs on every step). `engine` names
+    the pass where `packed` has none."""
     n = out["aux_hidden"].shape[0]
-    row_ok = np.isfinite(out["aux_hidden"].sum(axis=1))
-    for layer in range(num_layers):
-        for name in (f"new_key.{layer}", f"new_value.{layer}"):
-            row_ok &= np.isfinite(out[name].reshape(n, -1).sum(axis=1))
+    rows = [out["aux_hidden"]] + [out[f"new_{kind}.{layer}"].reshape(n, -1)
+                                  for layer in range(num_layers) for kind in ("key", "value")]
+    row_ok = np.isfinite(np.concatenate(rows, axis=1).sum(axis=1))
     logit_ok = np.isfinite(out["logits"].sum(axis=1))
     failed = {}
     for seg in segments:

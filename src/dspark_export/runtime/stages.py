@@ -275,7 +275,11 @@ class EngineStages:
         only; DeepSpec spec §5.2 pitfall 2)."""
         order = sorted(keep.items())
         slots = np.concatenate([np.full(n, slot, np.int64) for slot, n in order])
-        rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in order])
+        if len(order) == 1:   # one slot's rows are contiguous: views, not copies (the cache copies them)
+            a = packed.row_start[order[0][0]]
+            rows = slice(a, a + order[0][1])
+        else:
+            rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in order])
         kv = self.batch.target_kv
         L = kv.num_layers
         c = Commit(slots, [out[f"new_key.{i}"][rows] for i in range(L)], [out[f"new_value.{i}"][rows] for i in range(L)])
