@@ -243,8 +243,8 @@ class EngineStages:
         """SpeculativeVerify over all slots (slots without rows get one inert zero row): [S] accepted drafts
         and [S] next token ids; slots whose values are out of range fail.
 
-        A step with no drafts to verify and only greedy requests (every `ar` step, and dspark's steps that
-        skip the drafter) takes its next tokens as the argmax of each slot's one target row, in numpy: the
+        A step with no drafts to verify and only greedy requests (every `ar` step, and the steps dspark and
+        dspark-async run without the drafter) takes its next tokens as the argmax of each slot's one target row, in numpy: the
         op's own greedy result (first maximum, 0 accepted), without an engine call per token (ORT's
         per-call cost is ~0.3 ms on a ~10 ms one-token step). The uniforms are drawn either way, so each
         request's random stream does not depend on which path ran."""
