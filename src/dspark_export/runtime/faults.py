@@ -63,7 +63,8 @@ def check_drafts(drafts: dict, decoding: list[RequestState], vocab_size: int, en
     """Slots whose drafter outputs ({"draft_ids" [S, γ], "draft_logits" [S, γ, V], "confidence" [S, γ]}) are
     non-finite or out of range → reason."""
     slots = np.array([s.slot for s in decoding], np.int64)
-    ok = np.isfinite(drafts["draft_logits"][slots].sum(axis=(1, 2)))
+    logits = drafts["draft_logits"]
+    ok = np.array([np.isfinite(logits[slot].sum()) for slot in slots], bool)   # no copy of [R, γ, V]
     conf = drafts["confidence"][slots]
     ok &= np.isfinite(conf).all(axis=1) & (conf >= 0).all(axis=1) & (conf <= 1).all(axis=1)
     ids = drafts["draft_ids"][slots]
