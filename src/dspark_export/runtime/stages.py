@@ -255,10 +255,12 @@ class EngineStages:
             uniforms[s.slot] = s.rng.random(g + 1, dtype=np.float32)
         sampling = self.batch.sampling(states)
         if not lens.any() and not (sampling["temperature"] > 0).any():
-            next_ids = np.zeros(S, np.int64)
+            num_accepted, next_ids = np.zeros(S, np.int64), np.zeros(S, np.int64)
             for slot, block in rows.items():
                 next_ids[slot] = int(np.argmax(block[0]))
-            return np.zeros(S, np.int64), next_ids
+            rnd.failed.update(faults.check_verify(num_accepted, next_ids, rnd.verify_lens, states, V,
+                                                  self._engine("target")))   # a logits row wider than V
+            return num_accepted, next_ids
         blocks = [rows.get(slot, np.zeros((1, V), np.float32)) for slot in range(S)]
         drafts = rnd.drafts
         draft_logits = drafts["draft_logits"] if drafts else self._zero_draft_logits()
