@@ -1,17 +1,11 @@
 #!/usr/bin/env python
 """C = 4 closed loop in one process: ar, dspark-async with the drafter never run (its backlog kept), and
 dspark-async, alternated 3 times over the same 32 prompts (64 tokens, greedy); wall time and ms per step by
-runtime stage.
+runtime stage. `--warmup`: before each run, C short requests on a fresh generator of the same policy, as
+`bench serve` does.
 
-    python reports/serve/v7-host/c4_variants.py ENGINE_DIR 4
+    python reports/serve/v7-host/c4_variants.py ENGINE_DIR 4 [--warmup]
 """
-import sys, time, collections
-import numpy as np
-from dspark_export.bench.serve import ServeBenchConfig, _closed_loop, _Prompts, _timed
-from dspark_export.runtime import stages, draft_control
-from dspark_export.runtime.api import Runtime
-from dspark_export.runtime.generator import Generator
-from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 seconds = collections.defaultdict(float)
 def wrap(cls, name):
@@ -30,7 +24,10 @@ for rep in range(3):
     for variant in ("ar", "never", "dspark-async"):
         seconds.clear()
         draft_control.SkipController.should_draft = (lambda self, *a: False) if variant == "never" else orig
-        gen = Generator(rt.engines, _timed(parse_policy("ar" if variant == "ar" else "dspark-async")))
+        pol = parse_policy("ar" if variant == "ar" else "dspark-async")
+        if "--warmup" in sys.argv:
+            Generator(rt.engines, pol).generate([ids for _, _, ids in prompts[:C]], [SamplingParams(max_new_tokens=8)] * C)
+        gen = Generator(rt.engines, _timed(pol))
         steps, step = [0], gen.step
         def counted(step=step):
             steps[0] += 1; step()
