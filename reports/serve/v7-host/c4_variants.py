@@ -6,6 +6,13 @@ runtime stage. `--warmup`: before each run, C short requests on a fresh generato
 
     python reports/serve/v7-host/c4_variants.py ENGINE_DIR 4 [--warmup]
 """
+import sys, time, collections
+import numpy as np
+from dspark_export.bench.serve import ServeBenchConfig, _closed_loop, _Prompts, _timed
+from dspark_export.runtime import stages, draft_control
+from dspark_export.runtime.api import Runtime
+from dspark_export.runtime.generator import Generator
+from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 seconds = collections.defaultdict(float)
 def wrap(cls, name):
