@@ -107,29 +107,25 @@ class KVCache:
         if slots.size == 0:
             return np.zeros(self.num_slots, np.int64)
         counts = np.bincount(slots, minlength=self.num_slots)
-        if counts[slots[0]] == slots.size:   # one slot (a single user's step): plain slices, no fancy indexing
-            s, start = int(slots[0]), int(self.lens[slots[0]])
-            self.reserve(start + slots.size)
-            for layer in range(self.num_layers):
-                k, v = new_keys[layer], new_values[layer]
-                if rows is not None:
-                    k, v = k[rows], v[rows]
-                self.keys[layer][s, :, start:start + slots.size] = k.transpose(1, 0, 2)
-                self.values[layer][s, :, start:start + slots.size] = v.transpose(1, 0, 2)
-            return counts
-        # entry i of slot s goes to lens[s] + (its rank among slot s's entries)
-        order = np.argsort(slots, kind="stable")
-        rank = np.empty_like(slots)
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        rank[order] = np.arange(slots.size) - np.repeat(starts, counts)
-        positions = self.lens[slots] + rank
-        self.reserve(int(positions.max()) + 1)
+        if counts[slots[0]] == slots.size:   # one slot (a single user's step): a plain slice, no fancy indexing
+            first = int(self.lens[slots[0]])
+            end = first + slots.size
+            where, axes = (int(slots[0]), slice(None), slice(first, end)), (1, 0, 2)   # [kvH, n, D]
+        else:   # entry i of slot s goes to lens[s] + (its rank among slot s's entries)
+            order = np.argsort(slots, kind="stable")
+            rank = np.empty_like(slots)
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            rank[order] = np.arange(slots.size) - np.repeat(starts, counts)
+            positions = self.lens[slots] + rank
+            end = int(positions.max()) + 1
+            where, axes = (slots, slice(None), positions), (0, 1, 2)                  # [n, kvH, D]
+        self.reserve(end)
         for layer in range(self.num_layers):
             k, v = new_keys[layer], new_values[layer]
             if rows is not None:
                 k, v = k[rows], v[rows]
-            self.keys[layer][slots, :, positions] = k
-            self.values[layer][slots, :, positions] = v
+            self.keys[layer][where] = k.transpose(axes)
+            self.values[layer][where] = v.transpose(axes)
         return counts
 
     def reset(self, slot: int) -> None:

@@ -332,4 +332,4 @@ class FeatureCache:
         return Sequence_(tokens=np.asarray(arrays["tokens"][a:b], np.int64),
                          aux=np.asarray(arrays["aux"][a:b], np.float32),
                          last=np.asarray(arrays["last"][a:b], np.float32),
-                         prompt_len=int(index["prompt_lens"][j]), source=index["sources"][j])
+                         prompt_len=self.prompt_len(i), source=index["sources"][j])
