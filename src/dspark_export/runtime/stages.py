@@ -243,26 +243,24 @@ class EngineStages:
         """SpeculativeVerify over all slots (slots without rows get one inert zero row): [S] accepted drafts
         and [S] next token ids; slots whose values are out of range fail.
 
-        A step with no drafts to verify and only greedy requests (every `ar` step, and the steps dspark and
-        dspark-async run without the drafter) takes its next tokens as the argmax of each slot's one target row, in numpy: the
-        op's own greedy result (first maximum, 0 accepted), without an engine call per token (ORT's
-        per-call cost is ~0.3 ms on a ~10 ms one-token step). The uniforms are drawn either way, so each
-        request's random stream does not depend on which path ran."""
+        A step whose requests are all greedy (every `ar` step, and most dspark steps) runs the op's greedy rule
+        in numpy (`greedy_verify`) instead of an engine call (ORT's per-call cost is ~0.3 ms on a ~10 ms
+        one-token step) and never reads `draft_logits`. The uniforms are drawn either way, so each request's
+        random stream does not depend on which path ran."""
         S, V, g = self.batch.num_slots, self.vocab_size, self.block_size
         lens = np.array([rnd.verify_lens[slot] if slot in rows else 0 for slot in range(S)], np.int64)
         uniforms = np.zeros((S, g + 1), np.float32)
         for s in states:
             uniforms[s.slot] = s.rng.random(g + 1, dtype=np.float32)
         sampling = self.batch.sampling(states)
-        if not lens.any() and not (sampling["temperature"] > 0).any():
-            num_accepted, next_ids = np.zeros(S, np.int64), np.zeros(S, np.int64)
-            for slot, block in rows.items():
-                next_ids[slot] = int(np.argmax(block[0]))
+        drafts = rnd.drafts
+        if not (sampling["temperature"] > 0).any():
+            draft_ids = drafts["draft_ids"] if drafts else np.zeros((S, g), np.int64)
+            num_accepted, next_ids = greedy_verify(rows, draft_ids, lens, V)
             rnd.failed.update(faults.check_verify(num_accepted, next_ids, rnd.verify_lens, states, V,
                                                   self._engine("target")))   # a logits row wider than V
             return num_accepted, next_ids
         blocks = [rows.get(slot, np.zeros((1, V), np.float32)) for slot in range(S)]
-        drafts = rnd.drafts
         draft_logits = drafts["draft_logits"] if drafts else self._zero_draft_logits()
         if drafts and rnd.failed:   # a failed slot's (maybe NaN) drafts must not reach the op at all
             draft_logits = draft_logits.copy()
@@ -301,3 +299,22 @@ class EngineStages:
             c.aux = out["aux_hidden"][rows]
             c.positions = kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
         return c
+
+
+def greedy_verify(rows: dict[int, np.ndarray], draft_ids: np.ndarray, verify_lens: np.ndarray,
+                  vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`dspark::SpeculativeVerify` for an all-greedy batch, in numpy: ([S] num_accepted, [S] next_ids).
+
+    rows[slot]: the slot's target logits [verify_lens[slot] + 1, V']; draft_ids [S, γ] int64 (clipped to
+    [0, V) as the engine path feeds them). Draft j is accepted iff it equals the argmax of row j (first
+    maximum on ties: ArgMax's and the op's choice); next_ids[slot] is the argmax of the row after the
+    accepted run. Slots not in `rows` get (0, 0). Source: ARCHITECTURE.md, "dspark::SpeculativeVerify"."""
+    S = len(verify_lens)
+    num_accepted, next_ids = np.zeros(S, np.int64), np.zeros(S, np.int64)
+    for slot, block in rows.items():
+        best = block.argmax(axis=1)
+        n = int(verify_lens[slot])
+        match = best[:n] == np.clip(draft_ids[slot, :n], 0, vocab_size - 1)
+        a = n if match.all() else int(np.argmin(match))
+        num_accepted[slot], next_ids[slot] = a, best[a]
+    return num_accepted, next_ids
