@@ -267,7 +267,8 @@ def test_trt_compare_reference_for_an_int8_head_is_weight_only(engine_dir):
 @pytest.mark.parametrize("has_confidence", [True, False])
 def test_draft_vocab_node_expands_to_the_full_vocabulary_plugin(has_confidence):
     """A MarkovDraft node fed d2t becomes the plugin's full-vocabulary form: the expansion nodes, run on ONNX
-    Runtime, give base logits and W2 over V with which the op without d2t drafts exactly as with it."""
+    Runtime, give base logits and W2 over V with which the op without d2t drafts exactly as with it, and a
+    Gather at d2t returns its draft_logits to the graph's [R, γ, Vd]."""
     import onnxruntime as ort
 
     from dspark_export.plugins.markov_draft.reference import run as markov_reference
@@ -281,8 +282,13 @@ def test_draft_vocab_node_expands_to_the_full_vocabulary_plugin(has_confidence):
     assert result.plugin_nodes[0]["outputs"]["draft_logits"] == ["R", 3, 40]
     assert not check_model(result.model)  # no TensorRT findings for the expansion nodes
     base_full, w2_full = plugin[0].input[0], plugin[0].input[9]
+    nodes = list(result.model.graph.node)
+    at = nodes.index(plugin[0])
+    (back,) = nodes[at + 1:]
+    assert (back.op_type, list(back.input), list(back.output)) == ("Gather", [plugin[0].output[1], "d2t"], ["draft_logits"])
+    assert helper.get_attribute_value(back.attribute[0]) == 2
     # the expansion nodes alone, as an ONNX Runtime model
-    expansion = [n for n in result.model.graph.node if n.domain != "dspark"]
+    expansion = [n for n in nodes[:at] if n.domain != "dspark"]
     inputs = [i for i in result.model.graph.input if i.name in ("base_logits", "markov_w1", "markov_w2", "d2t")]
     sub = helper.make_model(helper.make_graph(expansion, "expand", inputs, [
         helper.make_tensor_value_info(base_full, TensorProto.FLOAT, None),
@@ -303,5 +309,6 @@ def test_draft_vocab_node_expands_to_the_full_vocabulary_plugin(has_confidence):
     full = markov_reference({**{k: v for k, v in feeds.items() if k != "d2t"}, "base_logits": got_base,
                              "markov_w2": got_w2})
     expected = markov_reference(feeds)
+    full["draft_logits"] = full["draft_logits"][..., d2t]   # the Gather after the plugin
     for name in expected:
         np.testing.assert_array_equal(full[name], expected[name], err_msg=name)

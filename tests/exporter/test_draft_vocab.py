@@ -10,10 +10,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from dspark_export.errors import ConfigError
+from dspark_export.errors import ConfigError, EngineRunError
 from dspark_export.exporter.drafter import (OUTSIDE_DRAFT_VOCAB, build_drafter_graphs, check_d2t,
                                             draft_vocab_index, quantize_drafter_layers)
 from dspark_export.plugins.common.sampling import sample_from_probs, warp_probs
+from dspark_export.plugins.markov_draft.schema import scatter_draft_logits
 from dspark_export.plugins.speculative_verify.reference import run as verify_reference
 from dspark_export.training.draft_vocab import (count_response_tokens, load_draft_vocab_source, ranking_from_counts,
                                                 ranking_object, read_ranking, select_d2t, write_ranking)
@@ -154,7 +155,8 @@ def test_d2t_block_drafts_inside_the_draft_vocabulary(tiny_llama, layer_weights)
         feed = _block_feed(spec, s_ctx, temperature)
         out = _run(s_block, feed)
         assert np.isin(out["draft_ids"], d2t).all()
-        logits = out["draft_logits"]
+        assert out["draft_logits"].shape == (feed["anchor_ids"].shape[0], GAMMA, 40)   # over d2t
+        logits = scatter_draft_logits(out["draft_logits"], d2t, vocab)   # the verify op's q, as the runtime feeds it
         assert np.isfinite(logits).all()  # the runtime's drafter check still passes
         assert (logits[..., outside] <= OUTSIDE_DRAFT_VOCAB / 2).all()
         n = logits.shape[0] * GAMMA
@@ -169,7 +171,8 @@ def test_d2t_block_drafts_inside_the_draft_vocabulary(tiny_llama, layer_weights)
 
 def _scatter_first(block: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
     """The block graph with MarkovDraft over the full vocabulary again: base logits scattered to V before the op
-    (the form every backend had before the op took d2t; here by the TensorRT lowering's own expansion)."""
+    and its logits gathered back at d2t (the form every backend had before the op took d2t; here by the TensorRT
+    lowering's own expansion)."""
     from dspark_export.engines.trt.lowering import expand_draft_vocab
     from dspark_export.plugins.markov_draft.onnx_function import make_function
 
@@ -184,7 +187,7 @@ def _scatter_first(block: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
 def test_markov_draft_runs_over_the_draft_vocabulary(tiny_llama, lm_head_dtype):
     """With a Markov head, MarkovDraft takes the N-row logits and W2[d2t] (no scatter before it, no [V, r] table in
     the graph) and gives what scattering to V first gave: same drafts (greedy and sampled with the same
-    uniforms), same logits at d2t and the fill elsewhere, same confidence."""
+    uniforms), the same logits at d2t (returned over d2t), same confidence."""
     drafter = _drafter(tiny_llama)
     vocab, rank = drafter.config.vocab_size, drafter.config.markov_rank
     d2t = np.random.default_rng(6).choice(vocab, 40, replace=False)  # unsorted: the exporter sorts it
@@ -200,19 +203,18 @@ def test_markov_draft_runs_over_the_draft_vocabulary(tiny_llama, lm_head_dtype):
     so.log_severity_level = 3
     s_old = ort.InferenceSession(_scatter_first(block, GAMMA).SerializeToString(), so,
                                  providers=["CPUExecutionProvider"])
-    outside = np.setdiff1d(np.arange(vocab), d2t)
     for temperature in (0.0, 1.0, 0.7):
         feed = _block_feed(spec, s_ctx, temperature, seed=3)
         new, old = _run(s_block, feed), _run(s_old, feed)
         np.testing.assert_array_equal(new["draft_ids"], old["draft_ids"])
-        np.testing.assert_allclose(new["draft_logits"][..., d2t], old["draft_logits"][..., d2t], rtol=1e-6, atol=1e-5)
-        assert (new["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
-        assert (old["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+        assert new["draft_logits"].shape == old["draft_logits"].shape == (feed["anchor_ids"].shape[0], GAMMA, 40)
+        np.testing.assert_allclose(new["draft_logits"], old["draft_logits"], rtol=1e-6, atol=1e-5)
         np.testing.assert_allclose(new["confidence"], old["confidence"], rtol=1e-6)
 
 
 def test_drafter_without_markov_head_scatters_before_the_op(tiny_llama):
-    """No Markov head: no W1 to carry V, so the logits are scattered to V before MarkovDraft as before."""
+    """No Markov head: no W1 to carry V, so the logits are scattered to V before MarkovDraft as before, and the
+    block's draft_logits are gathered back at d2t (the same [R, γ, N] contract as with a Markov head)."""
     drafter = _drafter(tiny_llama, markov_rank=0, with_markov=False)
     d2t = np.sort(np.random.default_rng(7).choice(drafter.config.vocab_size, 40, replace=False))
     s_ctx, s_block, spec, block = _sessions(drafter, lm_head_dtype="int8", d2t=d2t)
@@ -220,6 +222,7 @@ def test_drafter_without_markov_head_scatters_before_the_op(tiny_llama):
     assert "d2t" not in node.overload and any(n.op_type == "ScatterElements" for n in block.graph.node)
     out = _run(s_block, _block_feed(spec, s_ctx, 1.0))
     assert np.isin(out["draft_ids"], d2t).all()
+    assert out["draft_logits"].shape[1:] == (GAMMA, 40) and np.isfinite(out["draft_logits"]).all()
 
 
 def test_quantized_drafter_layers_are_batch_invariant(tiny_llama):
@@ -306,6 +309,18 @@ def test_spec_equals_ar_with_draft_vocab(build_tiny_engine_dir, tmp_path_factory
         outs[policy] = [r.token_ids for r in rt.generate_text(prompts, SamplingParams(max_new_tokens=24))]
         assert all(len(t) > 0 for t in outs[policy])
     assert outs["fixed:3"] == outs["ar"] and outs["dspark"] == outs["ar"]
+    # sampled: the block's [S, γ, 64] logits are scattered to V for the verify op (EngineStages.full_draft_logits)
+    rt = Runtime.open(out, policy="fixed:3")
+    sampled = rt.generate_text(prompts, SamplingParams(max_new_tokens=24, temperature=0.8, seed=1))
+    assert all(r.finish_reason in ("length", "stop") and r.token_ids for r in sampled), [r.error for r in sampled]
+    stages = rt.generator.stages
+    compact = np.random.default_rng(0).standard_normal((2, 3, 64)).astype(F32)
+    full = stages.full_draft_logits(compact)
+    np.testing.assert_array_equal(full[..., sorted(d2t)], compact)
+    assert full.shape == (2, 3, 256) and (np.delete(full, sorted(d2t), axis=2) == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+    assert stages.full_draft_logits(full) is full
+    with pytest.raises(EngineRunError, match="draft_logits 63 wide; expected V = 256 or the manifest's draft_vocab size"):
+        stages.full_draft_logits(compact[..., :63])
 
 
 def test_manifest_draft_vocab_must_match_the_graph(build_tiny_engine_dir, tmp_path_factory):
@@ -395,7 +410,6 @@ def test_shipped_block_over_d2t_equals_the_full_vocabulary_form():
     spec = _spec(drafter, "int8", 8192, "float32")
     rng = np.random.default_rng(0)
     R, P = 2, 64
-    outside = np.setdiff1d(np.arange(vocab), d2t)
     for temperature in (0.0, 0.7):
         feed = {"anchor_ids": rng.integers(0, vocab, R), "start_positions": np.full(R, P), "context_lens": np.full(R, P),
                 "temperature": np.full(R, temperature, F32), "top_k": np.zeros(R, I64), "top_p": np.ones(R, F32),
@@ -407,4 +421,4 @@ def test_shipped_block_over_d2t_equals_the_full_vocabulary_form():
         new, old = _run(s_new, feed), _run(s_old, feed)
         for name in ("draft_ids", "draft_logits", "confidence"):
             np.testing.assert_array_equal(new[name], old[name], err_msg=name)
-        assert (new["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+        assert new["draft_logits"].shape == (R, spec.block_size, 8192)

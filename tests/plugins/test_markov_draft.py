@@ -10,7 +10,7 @@ from dspark_export.plugins.common.sampling import SamplingBatch, warp_probs
 from dspark_export.plugins.markov_draft.onnx_function import make_node
 from dspark_export.plugins.markov_draft.reference import MarkovDraftWeights, markov_draft, run
 from dspark_export.plugins.markov_draft.schema import MarkovDraftConfig
-from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB
+from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB, scatter_draft_logits
 from plugin_cases import (MARKOV_CONFIGS, SAMPLING_CASES, draft_vocab_feeds, freeze, markov_feeds, run_ort,
                           sampling_feeds)
 
@@ -38,8 +38,9 @@ def test_onnx_matches_reference(shape_tag, config_tag, case):
 @pytest.mark.parametrize("has_confidence", [True, False])
 def test_draft_vocabulary_equals_scatter_then_full_vocabulary(case, has_confidence):
     """With d2t (ascending), the op over Vd rows gives what scattering the logits to V first gave: the same
-    drafts under greedy and under sampling with the same uniforms, the same logits at d2t and the fill
-    elsewhere, the same confidence; on the reference and on ONNX Runtime."""
+    drafts under greedy and under sampling with the same uniforms, draft_logits over the Vd rows that
+    `scatter_draft_logits` turns into the old ones (the same logits at d2t, the fill elsewhere), the same
+    confidence; on the reference and on ONNX Runtime."""
     config = dict(block_size=4, has_markov=True, has_confidence=has_confidence)
     has_ties = case == "ties"
     for seed in range(3):
@@ -53,9 +54,10 @@ def test_draft_vocabulary_equals_scatter_then_full_vocabulary(case, has_confiden
         for new in (run(draft), run_ort("MarkovDraft", dict(config, has_d2t=True), draft)):
             np.testing.assert_array_equal(new["draft_ids"], old["draft_ids"])
             assert np.isin(new["draft_ids"], d2t).all()
-            assert new["draft_logits"].shape == old["draft_logits"].shape
-            np.testing.assert_allclose(new["draft_logits"][..., d2t], old["draft_logits"][..., d2t], rtol=1e-6, atol=1e-6)
-            assert (new["draft_logits"][..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
+            assert new["draft_logits"].shape == (6, 4, len(d2t))
+            full = scatter_draft_logits(new["draft_logits"], d2t, 37)
+            np.testing.assert_allclose(full, old["draft_logits"], rtol=1e-6, atol=1e-6)
+            assert (full[..., outside] == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
             np.testing.assert_allclose(new["confidence"], old["confidence"], rtol=1e-6, atol=1e-7)
 
 
@@ -70,7 +72,8 @@ def test_draft_vocabulary_sampling_frequencies_match_the_warped_distribution():
     draft = {k: (np.repeat(v, trials, axis=0) if k not in shared else v) for k, v in draft.items()}
     draft["uniforms"] = rng.random((trials, 1), dtype=F32)
     outputs = run(draft)
-    target = warp_probs(outputs["draft_logits"][0, 0], draft["temperature"][0], draft["top_k"][0], draft["top_p"][0])
+    logits = scatter_draft_logits(outputs["draft_logits"][0, 0], d2t, vocab)
+    target = warp_probs(logits, draft["temperature"][0], draft["top_k"][0], draft["top_p"][0])
     assert (target[np.setdiff1d(np.arange(vocab), d2t)] == 0).all()
     frequencies = np.bincount(outputs["draft_ids"][:, 0], minlength=vocab) / trials
     assert 0.5 * np.abs(frequencies - target).sum() < 0.02

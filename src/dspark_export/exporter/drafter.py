@@ -27,14 +27,14 @@ drafter_block.onnx (R requests, γ = block size, P context cache length):
 | in `uniforms` | [R, γ] | float32 | one uniform in [0, 1) per draft slot |
 | in `confidence_temperature` | [γ] | float32 | STS temperature per position (ones = uncalibrated) |
 | out `draft_ids` | [R, γ] | int64 | drafted tokens |
-| out `draft_logits` | [R, γ, V] | float32 | Markov-corrected logits each draft was drawn from (before warping) |
+| out `draft_logits` | [R, γ, Vd] | float32 | Markov-corrected logits each draft was drawn from (before warping; over d2t with a draft vocabulary, Vd = V without) |
 | out `confidence` | [R, γ] | float32 | σ(z_k / T_k), conditional acceptance probability |
 | out `hidden` | [R, γ, H] | float32 | post-final-norm block hidden states |
 
 The block is [anchor, mask × (γ-1)] at positions start..start+γ-1; it attends bidirectionally to
 itself and to all context entries (paper §3.1; DeepSpec spec §1.3-1.4). It ends in one
 `dspark::MarkovDraft` node (plugins/markov_draft); with a draft vocabulary d2t (and a Markov head) the
-node runs over the N draft rows (LM head and W2 rows at d2t) and scatters draft_logits back to V itself.
+node runs over the N draft rows (LM head and W2 rows at d2t) and returns draft_logits over them.
 With quantized layers the block's layers are built in a fused form (`_fused_block_layers`: merged
 projections, shared masks, FusedMatMul; bitwise the same outputs); the float32 block stays standard ONNX
 (the TensorRT lowering).
@@ -87,6 +87,11 @@ class DrafterGraphSpec:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def draft_logits_width(self) -> int:
+        """Vd, the last axis of the block's ``draft_logits``: N with a draft vocabulary, else V."""
+        return self.draft_vocab_size or self.vocab_size
+
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterGraphSpec":
         """Raises: ConfigError: an unknown ``lm_head_dtype`` or ``layer_weights``, or a ``draft_vocab_size``
@@ -123,7 +128,7 @@ def drafter_block_io_contract(spec: DrafterGraphSpec) -> dict:
         inputs += [(f"context_key.{layer}", kv, "float32"), (f"context_value.{layer}", kv, "float32")]
     inputs += [("temperature", ("R",), "float32"), ("top_k", ("R",), "int64"), ("top_p", ("R",), "float32"),
                ("uniforms", ("R", g), "float32"), ("confidence_temperature", (g,), "float32")]
-    outputs = [("draft_ids", ("R", g), "int64"), ("draft_logits", ("R", g, spec.vocab_size), "float32"),
+    outputs = [("draft_ids", ("R", g), "int64"), ("draft_logits", ("R", g, spec.draft_logits_width), "float32"),
                ("confidence", ("R", g), "float32"), ("hidden", ("R", g, spec.hidden_size), "float32")]
     return {"inputs": inputs, "outputs": outputs}
 
@@ -555,6 +560,8 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
         config["has_d2t"] = True
     b.add_function(markov_fn.make_function(**config))
     b.nodes.append(markov_fn.make_node(op_inputs, outs, "/drafter_block/markov_draft/MarkovDraft", **config))
+    if d2t is not None and op_d2t is None:   # no Markov head: the op ran over V; draft_logits is over d2t
+        outs[1] = b.op("Gather", [outs[1], b.const(np.asarray(d2t, np.int64))], "draft_logits_d2t", axis=2)
     for (name, shape, dtype), value in zip(drafter_block_io_contract(spec)["outputs"], outs + [hidden3]):
         b.output(value, name, dtype, shape)
     return quantize_drafter_layers(b.model(doc="dspark-export drafter block graph"), layer_weights)

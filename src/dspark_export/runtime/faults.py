@@ -60,7 +60,7 @@ def _attempt(compute: Callable[[list[RequestState]], Round], active: list[Reques
 
 
 def check_drafts(drafts: dict, decoding: list[RequestState], vocab_size: int, engine: str) -> dict[int, str]:
-    """Slots whose drafter outputs ({"draft_ids" [S, γ], "draft_logits" [S, γ, V], "confidence" [S, γ]}) are
+    """Slots whose drafter outputs ({"draft_ids" [S, γ], "draft_logits" [S, γ, Vd], "confidence" [S, γ]}) are
     non-finite or out of range → reason."""
     slots = np.array([s.slot for s in decoding], np.int64)
     logits = drafts["draft_logits"]

@@ -75,7 +75,7 @@ class Generator:
         detokenize (Callable[[list[int]], str]): token ids → text, for stop strings (`Runtime` passes
             its tokenizer's decode). Requests with stop strings are refused without it.
         drafter (Callable): replaces the DSpark drafter block: drafter(generator, active states) →
-            {"draft_ids" [S, γ] int64, "draft_logits" [S, γ] × V float32, "confidence" [S, γ] float32}
+            {"draft_ids" [S, γ] int64, "draft_logits" [S, γ] × Vd float32 (Vd: the draft vocabulary, V without one), "confidence" [S, γ] float32}
             (e.g. `tests/runtime/self_draft.py`, the target drafting for itself). The DSpark
             drafter context (`draft_kv`) is not for such a drafter: its valid length may lag the target's
             (rows wait in each request's backlog until a DSpark draft flushes them).

@@ -19,6 +19,7 @@ import numpy as np
 from ..engines.engine_set import EngineSet
 from ..engines.packing import PackedBatch, Segment, pack_segments
 from ..errors import EngineRunError
+from ..plugins.markov_draft.schema import scatter_draft_logits
 from . import faults
 from .batch import Batch, RequestState
 
@@ -85,6 +86,9 @@ class EngineStages:
         self.max_tokens = engines.buckets("target")[-1]
         self.last_key: dict[str, str] = {}   # graph -> path of the engine last called (for messages)
         self._zeros: np.ndarray | None = None
+        vocab = engines.manifest.data.get("draft_vocab")
+        # the block's draft_logits columns: ascending d2t, as the exporter orders it (ARCHITECTURE.md)
+        self.d2t = np.sort(np.asarray(vocab["d2t"], np.int64)) if vocab else None
 
     def infer(self, runner, feed: dict) -> dict[str, np.ndarray]:
         """runner.infer, turning any failure into EngineRunError naming the engine."""
@@ -147,7 +151,8 @@ class EngineStages:
         return drafts, seconds
 
     def draft(self, active: list[RequestState], flushed: dict[int, int]) -> dict[str, np.ndarray]:
-        """Drafts for every slot: {"draft_ids" [S, γ] int64, "draft_logits" [S, γ, V] float32,
+        """Drafts for every slot: {"draft_ids" [S, γ] int64, "draft_logits" [S, γ, Vd] float32 (over d2t with a
+        draft vocabulary),
         "confidence" [S, γ] float32}; rows of slots not in `active` are ignored. `flushed`: the drafter
         context lengths this step's flush reaches (`flush_context`); every active request's backlog has
         been flushed, so its context covers every position before its anchor."""
@@ -254,16 +259,16 @@ class EngineStages:
             uniforms[s.slot] = s.rng.random(g + 1, dtype=np.float32)
         sampling = self.batch.sampling(states)
         drafts = rnd.drafts
-        if not (sampling["temperature"] > 0).any():
+        if not (sampling["temperature"] > 0).any():   # greedy: q (draft_logits) is never read
             draft_ids = drafts["draft_ids"] if drafts else np.zeros((S, g), np.int64)
             num_accepted, next_ids = greedy_verify(rows, draft_ids, lens, V)
             rnd.failed.update(faults.check_verify(num_accepted, next_ids, rnd.verify_lens, states, V,
                                                   self._engine("target")))   # a logits row wider than V
             return num_accepted, next_ids
         blocks = [rows.get(slot, np.zeros((1, V), np.float32)) for slot in range(S)]
-        draft_logits = drafts["draft_logits"] if drafts else self._zero_draft_logits()
+        draft_logits = self.full_draft_logits(drafts["draft_logits"]) if drafts else self._zero_draft_logits()
         if drafts and rnd.failed:   # a failed slot's (maybe NaN) drafts must not reach the op at all
-            draft_logits = draft_logits.copy()
+            draft_logits = draft_logits.copy() if draft_logits is drafts["draft_logits"] else draft_logits
             draft_logits[sorted(rnd.failed)] = 0.0
         feed = {"target_logits": np.concatenate(blocks).astype(np.float32, copy=False),
                 "query_start": np.concatenate([[0], np.cumsum(lens + 1)]).astype(np.int64),
@@ -274,6 +279,18 @@ class EngineStages:
         rnd.failed.update(faults.check_verify(out["num_accepted"], out["next_ids"], rnd.verify_lens, states,
                                               V, self._engine("verify")))
         return out["num_accepted"], out["next_ids"]
+
+    def full_draft_logits(self, draft_logits: np.ndarray) -> np.ndarray:
+        """[S, γ, Vd] draft logits -> [S, γ, V], the verify op's q: scattered at d2t (`scatter_draft_logits`)
+        when the block returns them over the draft vocabulary, else as they are."""
+        width = draft_logits.shape[-1]
+        if width == self.vocab_size:
+            return draft_logits
+        if self.d2t is None or len(self.d2t) != width:
+            raise EngineRunError(f"engine {self._engine('drafter_block')} returned draft_logits {width} wide; expected "
+                                 f"V = {self.vocab_size} or the manifest's draft_vocab size "
+                                 f"({'none' if self.d2t is None else len(self.d2t)})")
+        return scatter_draft_logits(draft_logits, self.d2t, self.vocab_size)
 
     def _zero_draft_logits(self) -> np.ndarray:
         S = self.batch.num_slots

@@ -17,9 +17,11 @@ CumSum that TensorRT 10 does not import). The lowering, per ``dspark`` node:
 
 A MarkovDraft node with a draft vocabulary (input ``d2t``) is first expanded to the full-vocabulary form the
 plugin takes (``expand_draft_vocab``): its base logits [R, γ, Vd] are scattered to [R, γ, V] with
-``OUTSIDE_DRAFT_VOCAB`` (ScatterElements) and its W2 rows [Vd, r] into a zero [V, r] table (ScatterND), and
-``d2t`` is dropped. The drafts, logits and confidence are the same (plugins/markov_draft/schema.py says why);
-the GPU then reads the full W2, which on a GPU is small next to the block's other reads.
+``OUTSIDE_DRAFT_VOCAB`` (ScatterElements) and its W2 rows [Vd, r] into a zero [V, r] table (ScatterND),
+``d2t`` is dropped, and the plugin's [R, γ, V] logits are gathered back at d2t (Gather, axis 2), so the graph's
+``draft_logits`` stays [R, γ, Vd] on both backends. The drafts, logits and confidence are the same
+(plugins/markov_draft/schema.py says why); the GPU then reads the full W2, which on a GPU is small next to
+the block's other reads.
 
 An int8 drafter LM head (``exporter.drafter.int8_lm_head``: per-row quantization of h with Abs, ReduceMax,
 Round, Clip and Cast to uint8, then MatMulInteger, which TensorRT 10 does not import, and the scale
@@ -196,7 +198,12 @@ def expand_draft_vocab(graph: onnx.GraphProto, name: str = "model") -> list[str]
         del rewritten.input[:]
         rewritten.input.extend(inputs)
         rewritten.overload = "_".join(p for p in node.overload.split("_") if p != "d2t")
-        nodes += extra + [rewritten]
+        gather = []
+        if len(node.output) > 1 and node.output[1]:   # draft_logits back to the d2t columns
+            rewritten.output[1] = prefix + "draft_logits_full"
+            gather = [helper.make_node("Gather", [rewritten.output[1], d2t], [node.output[1]],
+                                       name=prefix + "draft_logits", axis=2)]
+        nodes += extra + [rewritten] + gather
         done.append(node.name)
     if done:
         del graph.node[:]

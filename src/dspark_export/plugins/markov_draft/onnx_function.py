@@ -11,8 +11,7 @@ the function carries the overload ``MarkovDraftConfig.overload`` and nodes name 
                Where(temperature <= 0, ArgMax(L_k), sample(warp(L_k), u[:, k]))  (mixed slots)
         x_k  = j_k, or Gather(d2t, j_k) with a draft vocabulary (target ids)
         prev = x_k
-    draft_ids = Concat(x_k), L = Concat(L_k), draft_logits = L
-        with d2t: ScatterElements(Expand(OUTSIDE_DRAFT_VOCAB, [R, γ, V]), Expand(d2t, [R, γ, Vd]), ·, axis 2)
+    draft_ids = Concat(x_k), draft_logits = Concat(L_k)   [R, γ, Vd] (over d2t when given)
     confidence = Sigmoid((MatMul(Concat(hidden, Gather(W1, [anchor, x_0..x_{γ-2}])), w) + b) / T)
 
 One If picks all γ slots (ONNX Runtime pays a subgraph call per If); the greedy slots keep rows as
@@ -31,7 +30,7 @@ from onnx import TensorProto, helper
 
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
-from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB, SCHEMA, MarkovDraftConfig
+from dspark_export.plugins.markov_draft.schema import SCHEMA, MarkovDraftConfig
 from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function
 from dspark_export.plugins.common.onnx_sampling import emit_argmax, emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 
@@ -57,11 +56,8 @@ def make_function(**static_config) -> onnx.FunctionProto:
     greedy, mixed = b.branch("greedy/"), b.branch("mixed/")
     then_graph = _branch_graph(greedy, "then", _emit_greedy_steps(greedy, config, w2_t, anchor))
     else_graph = _branch_graph(mixed, "else", _emit_mixed_steps(mixed, config, w2_t, is_greedy))
-    logits = "draft_logits" if not config.has_d2t else f"{b.prefix}slot_logits"
-    b.nodes.append(helper.make_node("If", [all_greedy], ["draft_ids", logits], name=f"{b.prefix}If_slots",
+    b.nodes.append(helper.make_node("If", [all_greedy], ["draft_ids", "draft_logits"], name=f"{b.prefix}If_slots",
                                     then_branch=then_graph, else_branch=else_graph))
-    if config.has_d2t:
-        _emit_scatter(b, logits)
     _emit_confidence(b, config, anchor)
     return _make_function(SCHEMA.op_type, SCHEMA.input_names, SCHEMA.output_names, b, SCHEMA.doc, config.overload)
 
@@ -148,16 +144,6 @@ def make_node(inputs: Sequence[str], outputs: Sequence[str], name: str, **config
     while names and not names[-1]:
         names.pop()
     return helper.make_node(SCHEMA.op_type, names, list(outputs), name=name, domain=DOMAIN, overload=parsed.overload)
-
-
-def _emit_scatter(b: NodeBuilder, logits: str) -> None:
-    """draft_logits [R, γ, V]: the draft rows ``logits`` [R, γ, Vd] at columns d2t, OUTSIDE_DRAFT_VOCAB elsewhere."""
-    rows = b.op("Slice", b.op("Shape", logits), b.const([0], I64), b.const([2], I64))  # [R, γ]
-    vocab = b.op("Slice", b.op("Shape", "markov_w1"), b.const([0], I64), b.const([1], I64))  # [V]
-    fill = b.op("Expand", b.const(np.array([[[OUTSIDE_DRAFT_VOCAB]]], np.float32), np.float32),
-                b.op("Concat", rows, vocab, axis=0))
-    index = b.op("Expand", b.op("Reshape", "d2t", b.const([1, 1, -1], I64)), b.op("Shape", logits))
-    b.op_into("draft_logits", "ScatterElements", fill, index, logits, axis=2)
 
 
 def _emit_confidence(b: NodeBuilder, config: MarkovDraftConfig, anchor: str) -> None:

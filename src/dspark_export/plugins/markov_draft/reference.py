@@ -17,7 +17,7 @@ import numpy as np
 
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common.sampling import SamplingBatch, check_sampling_values, sample_from_probs, warp_probs
-from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB, SCHEMA
+from dspark_export.plugins.markov_draft.schema import SCHEMA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,8 @@ class MarkovDraftWeights:
 
 
 class MarkovDraftOutputs(NamedTuple):
-    """draft_ids: [R, γ] int64; draft_logits: [R, γ, V] float32 (before warping); confidence: [R, γ] float32."""
+    """draft_ids: [R, γ] int64; draft_logits: [R, γ, Vd] float32 (before warping; over d2t when given, Vd = V
+    without); confidence: [R, γ] float32."""
 
     draft_ids: np.ndarray
     draft_logits: np.ndarray
@@ -89,11 +90,7 @@ def markov_draft(
     draft_ids = np.stack(ids, axis=1)
     prev_ids = np.concatenate([anchor_ids[:, None], draft_ids[:, :-1]], axis=1)
     confidence = _confidence(hidden, prev_ids, confidence_temperature, weights)
-    draft_logits = np.stack(logits, axis=1).astype(np.float32)
-    if d2t is not None:  # scatter the Vd draft rows back to V
-        full = np.full(draft_logits.shape[:2] + (w1.shape[0],), OUTSIDE_DRAFT_VOCAB, np.float32)
-        full[..., d2t] = draft_logits
-        draft_logits = full
+    draft_logits = np.stack(logits, axis=1).astype(np.float32)  # [R, γ, Vd]: over d2t when given
     return MarkovDraftOutputs(draft_ids, draft_logits, confidence)
 
 
@@ -101,7 +98,7 @@ def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``markov_draft`` over a feed keyed by the schema's input names (absent optional inputs omitted).
 
     Returns:
-        {"draft_ids": [R, γ] int64, "draft_logits": [R, γ, V] float32, "confidence": [R, γ] float32}.
+        {"draft_ids": [R, γ] int64, "draft_logits": [R, γ, Vd] float32, "confidence": [R, γ] float32}.
     """
     SCHEMA.check_inputs(feeds, preset_dims(feeds))
     sampling = SamplingBatch(feeds["temperature"], feeds["top_k"], feeds["top_p"])

@@ -8,10 +8,12 @@ confidence input is h_k alone (r = 0); without confidence weights the confidence
 With a draft vocabulary ``d2t`` (Vd target ids, strictly ascending; FR-Spec, EAGLE-3's d2t; needs the
 Markov weights, whose W1 carries V) the slots are computed over the Vd draft rows only: U_k and W2 hold
 those rows, the sampling and argmax run over them, ``x_k = d2t[j_k]`` is a target id, and ``draft_logits``
-is scattered back to V with ``OUTSIDE_DRAFT_VOCAB`` everywhere else. Without ``d2t``, Vd = V. Ascending
-order makes the result equal, id for id under the same uniforms, to scattering U_k to V first and
-running the op without ``d2t`` (fill + bias rounds to the fill; ties and the sampling's cumulative sums
-meet the tokens in the same order). ``d2t`` is a trailing optional input, so the op stays at version 1:
+stays over the Vd draft rows (column j is target id d2t[j]; the target tokens outside d2t have q = 0). Without
+``d2t``, Vd = V. Scattering ``draft_logits`` to V with ``OUTSIDE_DRAFT_VOCAB`` everywhere else
+(``scatter_draft_logits``) gives, id for id under the same uniforms, what the op gives without ``d2t`` on
+U_k scattered to V first (fill + bias rounds to the fill; ties and the sampling's cumulative sums meet the
+tokens in the same order). Why not scattered in the op: a greedy verification never reads q, and writing
+[R, γ, V] was the largest node of the CPU drafter block (reports/drafter/compact-draft-logits.md). ``d2t`` is a trailing optional input, so the op stays at version 1:
 a node without it means what it meant before, and a graph carries its own function body.
 
 | name | shape | dtype | meaning |
@@ -30,7 +32,7 @@ a node without it means what it meant before, and a graph carries its own functi
 | in `confidence_bias` (optional) | [1] | float32 | confidence head bias b |
 | in `d2t` (optional) | [Vd] | int64 | draft vocabulary: target id of each draft row, strictly ascending, in [0, V) |
 | out `draft_ids` | [R, γ] | int64 | drafted tokens x_k (target ids) |
-| out `draft_logits` | [R, γ, V] | float32 | Markov-corrected logits L_k each draft was drawn from (before warping; OUTSIDE_DRAFT_VOCAB outside d2t) |
+| out `draft_logits` | [R, γ, Vd] | float32 | Markov-corrected logits L_k each draft was drawn from (before warping; over d2t when given) |
 | out `confidence` | [R, γ] | float32 | calibrated conditional acceptance probability σ(z_k / T_k) |
 """
 
@@ -72,9 +74,8 @@ SCHEMA = OpSchema(
     ),
     outputs=(
         TensorSpec("draft_ids", ("R", "γ"), I64, "drafted tokens x_k (target ids)"),
-        TensorSpec("draft_logits", ("R", "γ", "V"), F32,
-                   "Markov-corrected logits L_k each draft was drawn from (before warping; OUTSIDE_DRAFT_VOCAB "
-                   "outside d2t)"),
+        TensorSpec("draft_logits", ("R", "γ", "Vd"), F32,
+                   "Markov-corrected logits L_k each draft was drawn from (before warping; over d2t when given)"),
         TensorSpec("confidence", ("R", "γ"), F32, "calibrated conditional acceptance probability σ(z_k / T_k)"),
     ),
     doc="\n\n".join(__doc__.split("\n\n")[1:3]),
@@ -83,11 +84,19 @@ SCHEMA = OpSchema(
 MARKOV_INPUTS = ("markov_w1", "markov_w2")
 DRAFT_VOCAB_INPUTS = ("d2t",)
 OUTSIDE_DRAFT_VOCAB = -1e30
-"""``draft_logits`` of a target token outside d2t: finite, so a finiteness check on draft_logits still means
+"""Logit of a target token outside d2t once draft logits are scattered to V (``scatter_draft_logits``): finite, so a finiteness check on draft_logits still means
 "the drafter broke", and exp(fill - max) is exactly 0 in float32 for any temperature up to 1e28, so the
 draft distribution q is exactly 0 there. Adding a Markov bias (|bias| far below ulp(1e30) = 2^76) leaves it
 unchanged, which is why the scatter may come before or after the bias."""
 CONFIDENCE_INPUTS = ("confidence_weight", "confidence_bias")
+
+
+def scatter_draft_logits(draft_logits: np.ndarray, d2t: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[..., Vd] draft logits over d2t -> [..., V]: column d2t[j] holds column j, OUTSIDE_DRAFT_VOCAB elsewhere
+    (the full-vocabulary q a sampled verification needs; q is exactly 0 outside d2t)."""
+    full = np.full(draft_logits.shape[:-1] + (vocab_size,), OUTSIDE_DRAFT_VOCAB, np.float32)
+    full[..., d2t] = draft_logits
+    return full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +123,8 @@ class MarkovDraftConfig:
                 raise PluginError(f"MarkovDraft {name}: expected a bool, found {getattr(self, name)!r}")
         if self.has_d2t and not self.has_markov:
             raise PluginError("MarkovDraft has_d2t: a draft vocabulary needs the Markov weights (markov_w1 carries "
-                              "V, the size draft_logits is scattered back to), found has_markov=False; without "
-                              "them scatter the logits to V before the op")
+                              "V, the target ids the slots feed back), found has_markov=False; without them "
+                              "scatter the logits to V before the op")
 
     @property
     def overload(self) -> str:

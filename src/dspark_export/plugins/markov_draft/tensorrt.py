@@ -25,8 +25,10 @@ def _full_vocabulary(spec: TensorSpec) -> TensorSpec:
 
 
 PLUGIN_SCHEMA = dataclasses.replace(
-    SCHEMA, inputs=tuple(_full_vocabulary(s) for s in SCHEMA.inputs if s.name not in DRAFT_VOCAB_INPUTS))
-"""The plugin's inputs: the op's without ``d2t``, base_logits [R, γ, V] and markov_w2 [V, r]."""
+    SCHEMA, inputs=tuple(_full_vocabulary(s) for s in SCHEMA.inputs if s.name not in DRAFT_VOCAB_INPUTS),
+    outputs=tuple(_full_vocabulary(s) for s in SCHEMA.outputs))
+"""The plugin's form: the op's inputs without ``d2t``, base_logits [R, γ, V] and markov_w2 [V, r], and
+draft_logits [R, γ, V]."""
 
 PLUGIN_SPEC = PluginSpec(
     PLUGIN_SCHEMA,

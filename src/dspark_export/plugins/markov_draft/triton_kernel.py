@@ -8,16 +8,12 @@ Everything runs on the device; the host only checks the inputs and allocates the
     for k in 0..γ-1:
         confidence[r,k] = σ((h_k·w[:H] + W1[prev]·w[H:] + b) / T_k)      (1 without confidence weights)
         L_k = U_k + W2·W1[prev], blockwise over Vd → draft_logits[r,k]  (U_k without Markov weights)
-              (with d2t: the row is first filled with OUTSIDE_DRAFT_VOCAB, then draft row j is written
-              at column d2t[j]; only the Vd rows of U_k and W2 are read)
-        x_k = argmax L_k (temperature 0) or sample(warp(L_k), u[r,k])   (``triton_sampling``, re-reading L_k)
-        draft_ids[r,k] = x_k; prev = x_k
+        j_k = argmax L_k (temperature 0) or sample(warp(L_k), u[r,k])   (``triton_sampling``, re-reading L_k)
+        x_k = j_k, or d2t[j_k] with a draft vocabulary (a target id); draft_ids[r,k] = x_k; prev = x_k
 
 Gate: ``triton_support.has_triton()``. Importing this module imports triton. With
 ``TRITON_INTERPRET=1`` set before triton is first imported in the process, the kernel runs on CPU
 tensors in Triton's interpreter (tests/plugins/triton_interpreter.py).
-The warp and sampling then run over the V-wide row as without d2t; the schema's docstring says why this
-equals sampling over the Vd draft rows (ascending d2t, exact zeros outside).
 Dimension letters: R requests, γ draft slots, V vocab, Vd draft vocabulary (= V without d2t), H hidden
 size, r Markov rank.
 """
@@ -33,14 +29,12 @@ import triton.language as tl
 
 from dspark_export.plugins.common.sampling import SamplingBatch
 from dspark_export.plugins.markov_draft.reference import check_arguments, preset_dims  # the reference's own checks
-from dspark_export.plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB, SCHEMA
+from dspark_export.plugins.markov_draft.schema import SCHEMA
 from dspark_export.plugins.common.triton_sampling import sample_row, warp_stats
 from dspark_export.plugins.common.triton_support import (
     check_blocks, check_same_device, compile_ptx, host_values, next_power_of_2, shape_proxies,
 )
 
-FILL = tl.constexpr(OUTSIDE_DRAFT_VOCAB)
-"""``draft_logits`` outside d2t (the schema's ``OUTSIDE_DRAFT_VOCAB``)."""
 DEFAULT_BLOCK_V = 1024
 """Vocab block of one step of a program (a power of two; tests use 16 to exercise the masked tail)."""
 DEFAULT_NUM_PROBES = 8
@@ -51,7 +45,7 @@ _VALUE_INPUTS = ("anchor_ids", "temperature", "top_k", "top_p", "uniforms", "d2t
 
 
 class MarkovDraftTritonOutputs(NamedTuple):
-    """draft_ids: [R, γ] int64; draft_logits: [R, γ, V] float32 (before warping); confidence: [R, γ] float32."""
+    """draft_ids: [R, γ] int64; draft_logits: [R, γ, Vd] float32 (before warping); confidence: [R, γ] float32."""
 
     draft_ids: torch.Tensor
     draft_logits: torch.Tensor
@@ -63,7 +57,7 @@ def markov_draft_kernel(
     base_logits_ptr, hidden_ptr, anchor_ids_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
     confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr, d2t_ptr,
     draft_ids_ptr, draft_logits_ptr, confidence_ptr,
-    GAMMA, V, VD, H, RANK,
+    GAMMA, VD, H, RANK,
     HAS_MARKOV: tl.constexpr, HAS_CONFIDENCE: tl.constexpr, HAS_D2T: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NUM_PROBES: tl.constexpr,
 ):
@@ -95,12 +89,7 @@ def markov_draft_kernel(
             z = tl.math.div_rn(z + tl.load(confidence_bias_ptr), tl.load(confidence_temperature_ptr + slot))
             conf = tl.math.div_rn(1.0, 1.0 + tl.exp(-z))
         tl.store(confidence_ptr + row, conf)
-        logits_row = draft_logits_ptr + row * V
-        if HAS_D2T:  # columns outside d2t hold the fill
-            for start in range(0, V, BLOCK_V):
-                offs = start + offs_v0
-                tl.store(logits_row + offs, tl.full((BLOCK_V,), FILL, tl.float32), mask=offs < V)
-            tl.debug_barrier()
+        logits_row = draft_logits_ptr + row * VD
         for start in range(0, VD, BLOCK_V):  # L_k = U_k + W2·W1[prev], written once, re-read by the warp
             offs = start + offs_v0
             mask = offs < VD
@@ -109,17 +98,15 @@ def markov_draft_kernel(
                 w2 = tl.load(markov_w2_ptr + offs[:, None] * RANK + offs_r[None, :],
                              mask=mask[:, None] & mask_r[None, :], other=0.0)
                 logits = logits + tl.sum(w2 * w1_prev[None, :], 1)
-            if HAS_D2T:
-                cols = tl.load(d2t_ptr + offs, mask=mask, other=0)  # draft row -> target column
-            else:
-                cols = offs
-            tl.store(logits_row + cols, logits, mask=mask)
+            tl.store(logits_row + offs, logits, mask=mask)
         tl.debug_barrier()  # the warp passes below read L_k back, possibly in other threads of the program
-        stats = warp_stats(logits_row, V, temperature, top_k, top_p, BLOCK_V, NUM_PROBES)
+        stats = warp_stats(logits_row, VD, temperature, top_k, top_p, BLOCK_V, NUM_PROBES)
         token = stats[1]  # greedy: the first argmax
         if temperature > 0:
             uniform = tl.load(uniforms_ptr + row)
-            token = sample_row(logits_row, stats, logits_row, stats, uniform, V, BLOCK_V, False)
+            token = sample_row(logits_row, stats, logits_row, stats, uniform, VD, BLOCK_V, False)
+        if HAS_D2T:
+            token = tl.load(d2t_ptr + token)  # draft row -> target id
         tl.store(draft_ids_ptr + row, token)
         prev = token
 
@@ -176,20 +163,19 @@ def markov_draft_triton(
     # inputs are the zero stand-ins, which pass, so only shapes, dtypes and pairs are checked.
     check_arguments(feeds, SamplingBatch(feeds["temperature"], feeds["top_k"], feeds["top_p"]), feeds["uniforms"])
     num_requests, gamma, draft_vocab = base_logits.shape
-    vocab = markov_w1.shape[0] if d2t is not None else draft_vocab
     hidden_size = hidden.shape[-1]
     has_markov, has_confidence, has_d2t = markov_w1 is not None, confidence_weight is not None, d2t is not None
     rank = markov_w1.shape[1] if has_markov else 0
     device = base_logits.device
     draft_ids = torch.empty((num_requests, gamma), dtype=torch.int64, device=device)
-    draft_logits = torch.empty((num_requests, gamma, vocab), dtype=torch.float32, device=device)
+    draft_logits = torch.empty((num_requests, gamma, draft_vocab), dtype=torch.float32, device=device)
     confidence = torch.empty((num_requests, gamma), dtype=torch.float32, device=device)
     if num_requests == 0:
         return MarkovDraftTritonOutputs(draft_ids, draft_logits, confidence)
     contiguous = {key: (value.contiguous() if value is not None else base_logits) for key, value in tensors.items()}
     markov_draft_kernel[(num_requests,)](
         *contiguous.values(), draft_ids, draft_logits, confidence,
-        gamma, vocab, draft_vocab, hidden_size, rank,
+        gamma, draft_vocab, hidden_size, rank,
         HAS_MARKOV=has_markov, HAS_CONFIDENCE=has_confidence, HAS_D2T=has_d2t, BLOCK_V=block_v, NUM_PROBES=num_probes,
         BLOCK_H=min(next_power_of_2(hidden_size), _MAX_BLOCK_H), BLOCK_R=next_power_of_2(rank),
     )
@@ -204,7 +190,7 @@ def run(feeds: Mapping[str, torch.Tensor], **options) -> dict[str, torch.Tensor]
         **options: ``block_v``, ``num_probes``, ``check_values`` of ``markov_draft_triton``.
 
     Returns:
-        {"draft_ids": [R, γ] int64, "draft_logits": [R, γ, V] float32, "confidence": [R, γ] float32}.
+        {"draft_ids": [R, γ] int64, "draft_logits": [R, γ, Vd] float32, "confidence": [R, γ] float32}.
     """
     # Unknown names and missing inputs raise the schema's PluginError, not a TypeError.
     SCHEMA.check_inputs(shape_proxies(SCHEMA.qualified_name, feeds), preset_dims(feeds))
@@ -225,7 +211,7 @@ def ptx(
     pointers = {name: "*i64" if SCHEMA.input(name).dtype.kind == "i" else "*fp32" for name in SCHEMA.input_names}
     signature = {f"{name}_ptr": kind for name, kind in pointers.items()}
     signature.update(draft_ids_ptr="*i64", draft_logits_ptr="*fp32", confidence_ptr="*fp32",
-                     GAMMA="i32", V="i32", VD="i32", H="i32", RANK="i32")
+                     GAMMA="i32", VD="i32", H="i32", RANK="i32")
     constexprs = dict(HAS_MARKOV=has_markov, HAS_CONFIDENCE=has_confidence, HAS_D2T=has_d2t, BLOCK_V=block_v,
                       BLOCK_H=block_h,
                       BLOCK_R=block_r, NUM_PROBES=num_probes)
@@ -250,6 +236,6 @@ def markov_draft_trt_kernel(
         base_logits_ptr, hidden_ptr, anchor_ids_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniforms_ptr,
         confidence_temperature_ptr, markov_w1_ptr, markov_w2_ptr, confidence_weight_ptr, confidence_bias_ptr,
         anchor_ids_ptr,  # d2t: never read (HAS_D2T False)
-        draft_ids_ptr, draft_logits_ptr, confidence_ptr, GAMMA, V, V, H, RANK,
+        draft_ids_ptr, draft_logits_ptr, confidence_ptr, GAMMA, V, H, RANK,
         HAS_MARKOV, HAS_CONFIDENCE, False, BLOCK_V, BLOCK_H, BLOCK_R, NUM_PROBES,
     )
