@@ -13,8 +13,10 @@ stays over the Vd draft rows (column j is target id d2t[j]; the target tokens ou
 (``scatter_draft_logits``) gives, id for id under the same uniforms, what the op gives without ``d2t`` on
 U_k scattered to V first (fill + bias rounds to the fill; ties and the sampling's cumulative sums meet the
 tokens in the same order). Why not scattered in the op: a greedy verification never reads q, and writing
-[R, γ, V] was the largest node of the CPU drafter block (reports/drafter/compact-draft-logits.md). ``d2t`` is a trailing optional input, so the op stays at version 1:
-a node without it means what it meant before, and a graph carries its own function body.
+[R, γ, V] was the largest node of the CPU drafter block (reports/drafter/compact-draft-logits/).
+``d2t`` is a trailing optional input, so the op stays at version 1: a node without it means what it meant
+before, and a graph carries its own function body (graphs exported before this contract return the
+scattered [R, γ, V]; the runtime takes either width).
 
 | name | shape | dtype | meaning |
 | --- | --- | --- | --- |
