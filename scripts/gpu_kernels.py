@@ -85,7 +85,7 @@ def correctness(rows: list) -> bool:
                               block_v=block_v)
                 check(f"MarkovDraft/{tag}/{case}/V{vocab}/trt-order",
                       host(launch_trt_order("MarkovDraft", cuda(feeds), fields)), want)
-                if config["has_markov"]:  # a draft vocabulary of a third of V (the fill, then the d2t columns)
+                if config["has_markov"]:  # a draft vocabulary of a third of V (logits over its columns)
                     d2t = np.sort(rng.choice(vocab, vocab // 3, replace=False))
                     draft = draft_vocab_feeds(feeds, d2t)[1]
                     check(f"MarkovDraft/{tag}/{case}/V{vocab}/d2t/wrapper",
