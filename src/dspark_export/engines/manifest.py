@@ -27,6 +27,9 @@ from pathlib import Path
 
 from ..errors import EngineDirError
 
+DRAFT_VOCAB_INITIALIZER = "draft_vocab.d2t"
+"""Name of the drafter block graph's d2t initializer [N] int64, ascending (`exporter.drafter`)."""
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 REQUIRED_FIELDS = ("schema_version", "tool", "graphs", "engines", "runtime", "files")
@@ -278,7 +281,33 @@ class Manifest:
         manifest = cls(root, data)
         manifest.check_fields()
         manifest.check_files(verify)
+        manifest.check_graph_d2t()
         return manifest
+
+    def check_graph_d2t(self) -> None:
+        """The manifest's `draft_vocab.d2t` is the drafter block graph's own (its `draft_vocab.d2t` initializer,
+        ascending). Why: the runtime scatters a sampled request's draft logits to V at these ids; any other set
+        would verify drafts against a q that is not the one they were drawn from (lossy, silently)."""
+        entry = self.data.get("draft_vocab")
+        if not entry:
+            return
+        import onnx
+        from onnx import external_data_helper, numpy_helper
+
+        path = self.graph_path("drafter_block")
+        model = onnx.load(str(path), load_external_data=False)
+        found = [t for t in model.graph.initializer if t.name == DRAFT_VOCAB_INITIALIZER]
+        if not found:   # graphs from before the initializer was named in every form
+            return
+        tensor = found[0]
+        if external_data_helper.uses_external_data(tensor):
+            external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
+        graph_d2t = numpy_helper.to_array(tensor).reshape(-1).tolist()
+        if sorted(entry["d2t"]) != graph_d2t:
+            diff = len(set(entry["d2t"]) ^ set(graph_d2t))
+            raise EngineDirError(f"{self.root / MANIFEST_NAME}: draft_vocab.d2t differs from the drafter block "
+                                 f"graph's {DRAFT_VOCAB_INITIALIZER} ({path.name}: {diff} ids in one but not the "
+                                 f"other); rebuild the engine directory")
 
     def check_fields(self) -> None:
         """Types of the sections the runtime reads; graphs and engine paths agree with their keys."""

@@ -198,8 +198,8 @@ def draft_vocab_head(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarra
     column d2t[j] holds logits_N[:, j], every other column the fill. (A constant-index Gather over
     ``[logits_N ; fill]`` gives the same tensor but cost 1.8 ms of CPU against 0.38 ms at n = 7, N = 4096.)
     Why: the block is bound by reading the [V, H] head; N rows read N/V of it (FR-Spec, Zhao et al. 2025,
-    arXiv 2502.14856; EAGLE-3's d2t). The output keeps the full-vocabulary contract, so MarkovDraft, the
-    verify op and the C++ acceptance rule are unchanged: q is exactly 0 outside d2t (the Markov bias is
+    arXiv 2502.14856; EAGLE-3's d2t). Used without a Markov head (MarkovDraft then runs over V and the block
+    gathers its draft logits back at d2t); q is exactly 0 outside d2t (the Markov bias is
     finite, exp(fill − max) underflows to 0), drafts always lie in d2t, and verification with this q stays
     lossless (Leviathan et al. 2023: any q works as long as the draft was drawn from it).
     """
@@ -208,8 +208,8 @@ def draft_vocab_head(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarra
     rows = b.op("Slice", [b.op("Shape", [h], name), b.const([0]), b.const([1])], name)
     base = b.op("Expand", [b.const([[OUTSIDE_DRAFT_VOCAB]], "float32"),
                            b.op("Concat", [rows, b.const([weight.shape[0]])], name, axis=0)], name)
-    index = b.op("Expand", [b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64).reshape(1, -1)),
-                            b.op("Concat", [rows, b.const([len(d2t)])], name, axis=0)], name)
+    d2t_row = b.op("Reshape", [b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64)), b.const([1, -1])], name)
+    index = b.op("Expand", [d2t_row, b.op("Concat", [rows, b.const([len(d2t)])], name, axis=0)], name)
     return b.op("ScatterElements", [base, index, logits], name, axis=1)
 
 
@@ -561,7 +561,8 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     b.add_function(markov_fn.make_function(**config))
     b.nodes.append(markov_fn.make_node(op_inputs, outs, "/drafter_block/markov_draft/MarkovDraft", **config))
     if d2t is not None and op_d2t is None:   # no Markov head: the op ran over V; draft_logits is over d2t
-        outs[1] = b.op("Gather", [outs[1], b.const(np.asarray(d2t, np.int64))], "draft_logits_d2t", axis=2)
+        d2t_name = b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64))   # the manifest's check reads it
+        outs[1] = b.op("Gather", [outs[1], d2t_name], "draft_logits_d2t", axis=2)
     for (name, shape, dtype), value in zip(drafter_block_io_contract(spec)["outputs"], outs + [hidden3]):
         b.output(value, name, dtype, shape)
     return quantize_drafter_layers(b.model(doc="dspark-export drafter block graph"), layer_weights)

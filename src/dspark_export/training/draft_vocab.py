@@ -59,7 +59,7 @@ def select_d2t(ranking: np.ndarray, size: int, vocab_size: int) -> np.ndarray:
     """d2t = the first `size` ids of `ranking` completed by the unseen ids (ascending), sorted by id.
 
     Sorted by id so the LM head's d2t rows are read in memory order (the order of d2t does not change
-    the logits: they are scattered back to V).
+    the drafts: the block's logits are indexed by d2t, and a scatter back to V puts each at its id).
 
     Raises:
         ConfigError: `size` is not in [1, vocab_size].
