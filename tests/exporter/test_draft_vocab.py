@@ -318,6 +318,9 @@ def test_spec_equals_ar_with_draft_vocab(build_tiny_engine_dir, tmp_path_factory
     np.testing.assert_array_equal(full[..., sorted(d2t)], compact)
     assert full.shape == (2, 3, 256) and (np.delete(full, sorted(d2t), axis=2) == np.float32(OUTSIDE_DRAFT_VOCAB)).all()
     assert stages.full_draft_logits(full) is full
+    only = stages.full_draft_logits(compact, np.array([1]))   # the sampled slots only; greedy rows stay 0
+    np.testing.assert_array_equal(only[1], full[1])
+    assert (only[0] == 0).all()
     with pytest.raises(EngineRunError, match="draft_logits 63 wide; expected V = 256 or the manifest's draft_vocab size"):
         stages.full_draft_logits(compact[..., :63])
 

@@ -266,7 +266,8 @@ class EngineStages:
                                                   self._engine("target")))   # a logits row wider than V
             return num_accepted, next_ids
         blocks = [rows.get(slot, np.zeros((1, V), np.float32)) for slot in range(S)]
-        draft_logits = self.full_draft_logits(drafts["draft_logits"]) if drafts else self._zero_draft_logits()
+        sampled = np.flatnonzero(sampling["temperature"] > 0)
+        draft_logits = self.full_draft_logits(drafts["draft_logits"], sampled) if drafts else self._zero_draft_logits()
         if drafts and rnd.failed:   # a failed slot's (maybe NaN) drafts must not reach the op at all
             draft_logits = draft_logits.copy() if draft_logits is drafts["draft_logits"] else draft_logits
             draft_logits[sorted(rnd.failed)] = 0.0
@@ -280,9 +281,11 @@ class EngineStages:
                                               V, self._engine("verify")))
         return out["num_accepted"], out["next_ids"]
 
-    def full_draft_logits(self, draft_logits: np.ndarray) -> np.ndarray:
+    def full_draft_logits(self, draft_logits: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         """[S, γ, Vd] draft logits -> [S, γ, V], the verify op's q: scattered at d2t (`scatter_draft_logits`)
-        when the block returns them over the draft vocabulary, else as they are."""
+        when the block returns them over the draft vocabulary, else as they are. `slots`: the slots whose q the
+        op reads (its sampled requests; a greedy row's verification never reads q), the others left 0 (as the
+        no-draft feed); None = every slot."""
         width = draft_logits.shape[-1]
         if width == self.vocab_size:
             return draft_logits
@@ -290,7 +293,12 @@ class EngineStages:
             raise EngineRunError(f"engine {self._engine('drafter_block')} returned draft_logits {width} wide; expected "
                                  f"V = {self.vocab_size} or the manifest's draft_vocab size "
                                  f"({'none' if self.d2t is None else len(self.d2t)})")
-        return scatter_draft_logits(draft_logits, self.d2t, self.vocab_size)
+        if slots is None:
+            return scatter_draft_logits(draft_logits, self.d2t, self.vocab_size)
+        full = np.zeros(draft_logits.shape[:-1] + (self.vocab_size,), np.float32)
+        if len(slots):
+            full[slots] = scatter_draft_logits(draft_logits[slots], self.d2t, self.vocab_size)
+        return full
 
     def _zero_draft_logits(self) -> np.ndarray:
         S = self.batch.num_slots
