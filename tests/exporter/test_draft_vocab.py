@@ -348,6 +348,11 @@ def test_manifest_draft_vocab_must_match_the_graph(build_tiny_engine_dir, tmp_pa
     with pytest.raises(EngineDirError, match=r"draft_vocab.d2t differs from the drafter block graph's "
                                              r"draft_vocab.d2t \(drafter_block.onnx: 4 ids"):
         Manifest.load(out, verify=False)
+    (out / "manifest.json").write_text(text)
+    graph = out / "graphs" / "drafter_block.onnx"
+    graph.write_bytes(b"\x00" * graph.stat().st_size)   # unreadable, same size (verify=False checks sizes only)
+    with pytest.raises(EngineDirError, match=r"drafter_block.onnx: cannot read the drafter block graph's draft_vocab"):
+        Manifest.load(out, verify=False)
 
 
 # -- defaults: exact drafting for every drafter but the shipped one ------------------------------------------

@@ -295,14 +295,18 @@ class Manifest:
         from onnx import external_data_helper, numpy_helper
 
         path = self.graph_path("drafter_block")
-        model = onnx.load(str(path), load_external_data=False)
-        found = [t for t in model.graph.initializer if t.name == DRAFT_VOCAB_INITIALIZER]
-        if not found:   # graphs from before the initializer was named in every form
-            return
-        tensor = found[0]
-        if external_data_helper.uses_external_data(tensor):
-            external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
-        graph_d2t = numpy_helper.to_array(tensor).reshape(-1).tolist()
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+            found = [t for t in model.graph.initializer if t.name == DRAFT_VOCAB_INITIALIZER]
+            if not found:   # graphs from before the initializer was named in every form
+                return
+            tensor = found[0]
+            if external_data_helper.uses_external_data(tensor):
+                external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
+            graph_d2t = numpy_helper.to_array(tensor).reshape(-1).tolist()
+        except Exception as e:   # protobuf, OS and external-data errors alike
+            raise EngineDirError(f"{path}: cannot read the drafter block graph's {DRAFT_VOCAB_INITIALIZER} "
+                                 f"({type(e).__name__}: {e}); rebuild the engine directory") from e
         if sorted(entry["d2t"]) != graph_d2t:
             diff = len(set(entry["d2t"]) ^ set(graph_d2t))
             raise EngineDirError(f"{self.root / MANIFEST_NAME}: draft_vocab.d2t differs from the drafter block "
