@@ -27,9 +27,6 @@ from pathlib import Path
 
 from ..errors import EngineDirError
 
-DRAFT_VOCAB_INITIALIZER = "draft_vocab.d2t"
-"""Name of the drafter block graph's d2t initializer [N] int64, ascending (`exporter.drafter`)."""
-
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 REQUIRED_FIELDS = ("schema_version", "tool", "graphs", "engines", "runtime", "files")
@@ -294,10 +291,12 @@ class Manifest:
         import onnx
         from onnx import external_data_helper, numpy_helper
 
+        from ..plugins.markov_draft.schema import D2T_INITIALIZER
+
         path = self.graph_path("drafter_block")
         try:
             model = onnx.load(str(path), load_external_data=False)
-            found = [t for t in model.graph.initializer if t.name == DRAFT_VOCAB_INITIALIZER]
+            found = [t for t in model.graph.initializer if t.name == D2T_INITIALIZER]
             if not found:   # graphs from before the initializer was named in every form
                 return
             tensor = found[0]
@@ -305,12 +304,12 @@ class Manifest:
                 external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
             graph_d2t = numpy_helper.to_array(tensor).reshape(-1).tolist()
         except Exception as e:   # protobuf, OS and external-data errors alike
-            raise EngineDirError(f"{path}: cannot read the drafter block graph's {DRAFT_VOCAB_INITIALIZER} "
+            raise EngineDirError(f"{path}: cannot read the drafter block graph's {D2T_INITIALIZER} "
                                  f"({type(e).__name__}: {e}); rebuild the engine directory") from e
         if sorted(entry["d2t"]) != graph_d2t:
             diff = len(set(entry["d2t"]) ^ set(graph_d2t))
             raise EngineDirError(f"{self.root / MANIFEST_NAME}: draft_vocab.d2t differs from the drafter block "
-                                 f"graph's {DRAFT_VOCAB_INITIALIZER} ({path.name}: {diff} ids in one but not the "
+                                 f"graph's {D2T_INITIALIZER} ({path.name}: {diff} ids in one but not the "
                                  f"other); rebuild the engine directory")
 
     def check_fields(self) -> None:

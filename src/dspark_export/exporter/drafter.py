@@ -51,6 +51,7 @@ import torch
 
 from ..errors import ConfigError
 from ..plugins.markov_draft import onnx_function as markov_fn
+from ..plugins.markov_draft.schema import D2T_INITIALIZER
 from ..plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB as _OUTSIDE_DRAFT_VOCAB
 from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
                       save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
@@ -208,7 +209,7 @@ def draft_vocab_head(b: GraphBuilder, h: str, weight: np.ndarray, d2t: np.ndarra
     rows = b.op("Slice", [b.op("Shape", [h], name), b.const([0]), b.const([1])], name)
     base = b.op("Expand", [b.const([[OUTSIDE_DRAFT_VOCAB]], "float32"),
                            b.op("Concat", [rows, b.const([weight.shape[0]])], name, axis=0)], name)
-    d2t_row = b.op("Reshape", [b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64)), b.const([1, -1])], name)
+    d2t_row = b.op("Reshape", [b.weight(D2T_INITIALIZER, np.asarray(d2t, np.int64)), b.const([1, -1])], name)
     index = b.op("Expand", [d2t_row, b.op("Concat", [rows, b.const([len(d2t)])], name, axis=0)], name)
     return b.op("ScatterElements", [base, index, logits], name, axis=1)
 
@@ -561,7 +562,7 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     b.add_function(markov_fn.make_function(**config))
     b.nodes.append(markov_fn.make_node(op_inputs, outs, "/drafter_block/markov_draft/MarkovDraft", **config))
     if d2t is not None and op_d2t is None:   # no Markov head: the op ran over V; draft_logits is over d2t
-        d2t_name = b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64))   # the manifest's check reads it
+        d2t_name = b.weight(D2T_INITIALIZER, np.asarray(d2t, np.int64))
         outs[1] = b.op("Gather", [outs[1], d2t_name], "draft_logits_d2t", axis=2)
     for (name, shape, dtype), value in zip(drafter_block_io_contract(spec)["outputs"], outs + [hidden3]):
         b.output(value, name, dtype, shape)
@@ -590,7 +591,7 @@ def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec, d2t: np.nda
         names.append(b.weight("confidence_head.proj.bias", sd["confidence_head.proj.bias"].reshape(1)))
     else:
         names += ["", ""]
-    names.append("" if d2t is None else b.weight("draft_vocab.d2t", np.asarray(d2t, np.int64)))
+    names.append("" if d2t is None else b.weight(D2T_INITIALIZER, np.asarray(d2t, np.int64)))
     while names and names[-1] == "":
         names.pop()
     return names

@@ -258,15 +258,14 @@ class EngineStages:
         for s in states:
             uniforms[s.slot] = s.rng.random(g + 1, dtype=np.float32)
         sampling = self.batch.sampling(states)
-        drafts = rnd.drafts
-        if not (sampling["temperature"] > 0).any():   # greedy: q (draft_logits) is never read
+        drafts, sampled = rnd.drafts, np.flatnonzero(sampling["temperature"] > 0)
+        if not sampled.size:   # greedy: q (draft_logits) is never read
             draft_ids = drafts["draft_ids"] if drafts else np.zeros((S, g), np.int64)
             num_accepted, next_ids = greedy_verify(rows, draft_ids, lens, V)
             rnd.failed.update(faults.check_verify(num_accepted, next_ids, rnd.verify_lens, states, V,
                                                   self._engine("target")))   # a logits row wider than V
             return num_accepted, next_ids
         blocks = [rows.get(slot, np.zeros((1, V), np.float32)) for slot in range(S)]
-        sampled = np.flatnonzero(sampling["temperature"] > 0)
         draft_logits = self.full_draft_logits(drafts["draft_logits"], sampled) if drafts else self._zero_draft_logits()
         if drafts and rnd.failed:   # a failed slot's (maybe NaN) drafts must not reach the op at all
             draft_logits = draft_logits.copy() if draft_logits is drafts["draft_logits"] else draft_logits

@@ -86,11 +86,15 @@ SCHEMA = OpSchema(
 MARKOV_INPUTS = ("markov_w1", "markov_w2")
 DRAFT_VOCAB_INPUTS = ("d2t",)
 OUTSIDE_DRAFT_VOCAB = -1e30
-"""Logit of a target token outside d2t once draft logits are scattered to V (``scatter_draft_logits``): finite, so a finiteness check on draft_logits still means
+"""Logit of a target token outside d2t once draft logits are scattered to V (``scatter_draft_logits``):
+finite, so a finiteness check on draft_logits still means
 "the drafter broke", and exp(fill - max) is exactly 0 in float32 for any temperature up to 1e28, so the
 draft distribution q is exactly 0 there. Adding a Markov bias (|bias| far below ulp(1e30) = 2^76) leaves it
 unchanged, which is why the scatter may come before or after the bias."""
 CONFIDENCE_INPUTS = ("confidence_weight", "confidence_bias")
+D2T_INITIALIZER = "draft_vocab.d2t"
+"""Name exported drafter block graphs give the d2t they use ([N] int64, ascending; with or without a Markov
+head), so an engine directory's manifest can be checked against it (`Manifest.check_graph_d2t`)."""
 
 
 def scatter_draft_logits(draft_logits: np.ndarray, d2t: np.ndarray, vocab_size: int) -> np.ndarray:
