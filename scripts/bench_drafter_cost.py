@@ -99,11 +99,11 @@ def _block_feed(spec, R: int, P: int, rng) -> dict:
     return feed
 
 
-def _saved_block_feed(sess, R: int, P: int, rng) -> dict:
-    """`_block_feed` for a saved block graph, its dimensions read from the graph's inputs."""
+def _saved_block_feed(sess, R: int, P: int, rng, vocab: int) -> dict:
+    """`_block_feed` for a saved block graph, its dimensions read from the graph's inputs; anchors drawn from the
+    target vocabulary `vocab` (the graph's `draft_logits` may be only the draft vocabulary wide)."""
     dims = {i.name: i.shape for i in sess.get_inputs()}
     kvh, d = dims["context_key.0"][1], dims["context_key.0"][3]
-    vocab = {o.name: o.shape for o in sess.get_outputs()}["draft_logits"][2]
     spec = argparse.Namespace(vocab_size=vocab, block_size=dims["uniforms"][1], num_kv_heads=kvh, head_dim=d,
                               num_layers=sum(n.startswith("context_key.") for n in dims))
     return _block_feed(spec, R, P, rng)
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     for label_path in args.block_graph:
         label, path = label_path.split("=", 1)
         s = _session(path, args.threads)
-        sessions[f"block:{label}"] = (s, {R: _saved_block_feed(s, R, args.context, rng) for R in requests})
+        sessions[f"block:{label}"] = (s, {R: _saved_block_feed(s, R, args.context, rng, vocab) for R in requests})
     import torch
 
     from dspark_export.exporter.drafter import _spec

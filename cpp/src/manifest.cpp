@@ -110,8 +110,10 @@ Status Manifest::Load(const std::string& engine_dir, const ManifestOptions& opti
   if (data.is_discarded()) return fail("not valid JSON");
   if (!data.is_object()) return fail("expected a JSON object, found " + TypeName(data));
   const json& version = data.contains("schema_version") ? data["schema_version"] : json();
-  if (!(version.is_number() && version.get<double>() == kManifestSchemaVersion)) {
-    return fail("schema_version: expected " + std::to_string(kManifestSchemaVersion) + ", found " + version.dump() +
+  if (!(version.is_number_integer() && version.get<int64_t>() >= kMinManifestSchemaVersion &&
+        version.get<int64_t>() <= kManifestSchemaVersion)) {
+    return fail("schema_version: expected " + std::to_string(kMinManifestSchemaVersion) + " to " +
+                std::to_string(kManifestSchemaVersion) + ", found " + version.dump() +
                 " (rebuild the engine directory with this version of dspark-export)");
   }
   std::vector<std::string> missing;

@@ -24,7 +24,7 @@ import psutil
 
 from . import __version__
 from .engines.engine_set import EngineSet
-from .engines.manifest import EngineKey, Manifest, write_json_atomic
+from .engines.manifest import SCHEMA_VERSION, EngineKey, Manifest, write_json_atomic
 from .engines.ort.runner import engine_spec
 from .engines.profiler import measure_profile
 from .engines.sps import SPS_PATH, encode_sps, write_sps
@@ -448,7 +448,7 @@ def _manifest_data(cfg: BuildConfig, inputs, graphs: dict) -> dict:
 
     d = inputs.drafter.config
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "tool": {"name": "dspark-export", "version": __version__},
         "created_unix": int(time.time()),
         "versions": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "torch": torch.__version__,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from dspark_export.engines.manifest import EngineKey, Manifest
+from dspark_export.engines.manifest import SCHEMA_VERSION, EngineKey, Manifest
 from dspark_export.errors import EngineDirError
 
 
@@ -30,6 +30,21 @@ def test_round_trip(tmp_path):
     assert loaded.engine_keys()[0].path == "engines/onnxruntime/target.N8.json"
 
 
+def test_schema_versions(tmp_path):
+    """This version writes schema 2 and still reads a schema-1 manifest (V-wide draft logits); `true`, which
+    JSON readers may take for 1, and unknown versions are refused."""
+    assert SCHEMA_VERSION == 2
+    m = _make(tmp_path)
+    assert json.loads((tmp_path / "manifest.json").read_text())["schema_version"] == 2
+    data = dict(m.data, schema_version=1)
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    assert Manifest.load(tmp_path).data["schema_version"] == 1
+    for bad in (True, 1.0, 3, "2", None):
+        (tmp_path / "manifest.json").write_text(json.dumps(dict(data, schema_version=bad)))
+        with pytest.raises(EngineDirError, match=r"schema_version: expected one of \[1, 2\], found"):
+            Manifest.load(tmp_path)
+
+
 def test_missing_and_altered_files(tmp_path):
     _make(tmp_path)
     (tmp_path / "graphs" / "g.onnx").write_bytes(b"grapH")
@@ -54,7 +69,7 @@ def test_paths_outside_the_directory(tmp_path, bad):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda d: d.update(schema_version=99), "schema_version: expected 1, found 99"),
+    (lambda d: d.update(schema_version=99), r"schema_version: expected one of \[1, 2\], found 99"),
     (lambda d: d.pop("runtime"), r"missing fields \['runtime'\]"),
     (lambda d: d["runtime"].pop("vocab_size"), r"runtime.vocab_size: expected a JSON int, found None"),
     (lambda d: d["runtime"].update(block_size="seven"), r"runtime.block_size: expected a JSON int"),

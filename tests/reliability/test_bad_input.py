@@ -61,7 +61,7 @@ def test_damaged_engine_files(copy_dir, damage, file, verified, unverified):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda d: d.update(schema_version=2), r"schema_version: expected 1, found 2"),
+    (lambda d: d.update(schema_version=3), r"schema_version: expected one of \[1, 2\], found 3"),
     (lambda d: d.pop("files"), r"missing fields \['files'\]"),
     (lambda d: d["runtime"].pop("max_context"), r"runtime.max_context"),
     (lambda d: d["files"]["graphs/target.onnx"].update(sha256="0" * 64), r"graphs/target.onnx.*altered: sha256"),

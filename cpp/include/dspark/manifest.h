@@ -16,7 +16,10 @@
 
 namespace dspark {
 
-constexpr int kManifestSchemaVersion = 1;
+// The manifest schema the Python side writes (engines/manifest.py SCHEMA_VERSION) and the oldest one read.
+// 2: with a draft_vocab, the drafter block returns draft logits over the draft vocabulary; 1: over V.
+constexpr int kManifestSchemaVersion = 2;
+constexpr int kMinManifestSchemaVersion = 1;
 
 struct EngineEntry {
   std::string graph;    // "target", "drafter_context", "drafter_block", "verify"

@@ -27,7 +27,12 @@ from pathlib import Path
 
 from ..errors import EngineDirError
 
-SCHEMA_VERSION = 1
+#: the manifest schema this version writes. 2: with a `draft_vocab`, the drafter block's `draft_logits` are
+#: [R, γ, Vd] over the draft vocabulary (the runtime scatters them to V at d2t); 1: they are [R, γ, V].
+#: Why a bump: a reader of schema 1 would feed the compact logits to verification as V-wide ones.
+SCHEMA_VERSION = 2
+#: schemas this version reads (it tells the two draft-logits widths apart by their width)
+READABLE_SCHEMA_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 REQUIRED_FIELDS = ("schema_version", "tool", "graphs", "engines", "runtime", "files")
 REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", "verify")
@@ -35,7 +40,7 @@ REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", "verify")
 RUNTIME_FIELDS = {"block_size": int, "max_context": int, "vocab_size": int, "eos_token_ids": list,
                   "confidence_temperature": list}
 
-__all__ = ["Manifest", "EngineKey", "SCHEMA_VERSION", "sha256_file", "resolve_inside", "write_json_atomic"]
+__all__ = ["Manifest", "EngineKey", "SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "sha256_file", "resolve_inside", "write_json_atomic"]
 
 
 @dataclass(frozen=True)
@@ -269,9 +274,9 @@ class Manifest:
         if not isinstance(data, dict):
             raise EngineDirError(f"{path}: expected a JSON object, found {type(data).__name__}")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise EngineDirError(f"{path}: schema_version: expected {SCHEMA_VERSION}, found {version!r} "
-                                 "(rebuild the engine directory with this version of dspark-export)")
+        if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:
+            raise EngineDirError(f"{path}: schema_version: expected one of {list(READABLE_SCHEMA_VERSIONS)}, found "
+                                 f"{version!r} (rebuild the engine directory with this version of dspark-export)")
         missing = [k for k in REQUIRED_FIELDS if k not in data]
         if missing:
             raise EngineDirError(f"{path}: missing fields {missing}")
