@@ -40,7 +40,8 @@ REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", "verify")
 RUNTIME_FIELDS = {"block_size": int, "max_context": int, "vocab_size": int, "eos_token_ids": list,
                   "confidence_temperature": list}
 
-__all__ = ["Manifest", "EngineKey", "SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "sha256_file", "resolve_inside", "write_json_atomic"]
+__all__ = ["Manifest", "EngineKey", "SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "sha256_file", "resolve_inside",
+           "write_json_atomic"]
 
 
 @dataclass(frozen=True)
