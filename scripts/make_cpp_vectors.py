@@ -306,6 +306,9 @@ def manifest_vectors(root: Path) -> list[dict]:
     cases.append(write("schema_99", edit(lambda m: m.update(schema_version=99))))
     cases.append(write("schema_missing", edit(lambda m: m.pop("schema_version"))))
     cases.append(write("schema_string", edit(lambda m: m.update(schema_version="1"))))
+    for name, version in (("schema_2", 2), ("schema_3", 3), ("schema_0", 0), ("schema_true", True),
+                          ("schema_float", 1.0)):
+        cases.append(write(name, edit(lambda m, v=version: m.update(schema_version=v))))
     for f in ("tool", "graphs", "engines", "runtime", "files"):
         cases.append(write(f"missing_{f}", edit(lambda m, f=f: m.pop(f))))
     cases.append(write("graphs_missing_verify", edit(lambda m: pop_path(m, "graphs", "verify"))))

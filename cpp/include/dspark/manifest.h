@@ -1,4 +1,4 @@
-// dspark/manifest.h: the engine directory's manifest.json, read natively (schema version 1).
+// dspark/manifest.h: the engine directory's manifest.json, read natively (schema versions 1 and 2).
 //
 // A C++ port of `dspark_export.engines.manifest.Manifest.load`: the schema version is checked, every
 // path is confined to the directory (no absolute paths, no `..` or symlink escapes), the sections the
@@ -17,7 +17,9 @@
 namespace dspark {
 
 // The manifest schema the Python side writes (engines/manifest.py SCHEMA_VERSION) and the oldest one read.
-// 2: with a draft_vocab, the drafter block returns draft logits over the draft vocabulary; 1: over V.
+// 2: with a draft_vocab, the drafter block's draft logits may be [R, gamma, N] over the manifest's
+// draft_vocab.d2t ids rather than [R, gamma, V]. This loader does not parse draft_vocab: a native driver
+// must scatter such logits to V at d2t (-inf elsewhere) before SpeculativeVerify, which reads [gamma, V].
 constexpr int kManifestSchemaVersion = 2;
 constexpr int kMinManifestSchemaVersion = 1;
 

@@ -9,6 +9,10 @@ Schema versions (bump when a field's meaning changes):
        `draft_vocab` {"size": N, "d2t": [N target token ids], "method", "source", "records",
        "tokens_counted"} when the drafter block computes draft logits over N < V tokens only
        (`exporter.drafter.draft_vocab_head`; `graphs.drafter_block.spec.draft_vocab_size` is N).
+    2: with `draft_vocab`, the drafter block's `draft_logits` may be [R, γ, N] over the d2t ids (builds since
+       65e4309; earlier ones return [R, γ, V]); readers tell the two apart by the width, which a reader of
+       schema 1 does not. Version 1 is still read. Re-sealing a manifest (`save`, `replace_file`: profile,
+       report, TensorRT build) stamps it 2, which is true of both widths.
 
 The manifest is written last and atomically (temp file, fsync, rename): a directory without a
 valid manifest is not an engine directory, so an interrupted build never looks complete.
@@ -27,9 +31,8 @@ from pathlib import Path
 
 from ..errors import EngineDirError
 
-#: the manifest schema this version writes. 2: with a `draft_vocab`, the drafter block's `draft_logits` are
-#: [R, γ, Vd] over the draft vocabulary (the runtime scatters them to V at d2t); 1: they are [R, γ, V].
-#: Why a bump: a reader of schema 1 would feed the compact logits to verification as V-wide ones.
+#: the manifest schema this version writes (the module docstring says what each version means). Why 2: a reader
+#: of schema 1 would feed [R, γ, Vd] draft logits to verification as V-wide ones.
 SCHEMA_VERSION = 2
 #: schemas this version reads (it tells the two draft-logits widths apart by their width)
 READABLE_SCHEMA_VERSIONS = (1, 2)
