@@ -292,11 +292,10 @@ class EngineStages:
             raise EngineRunError(f"engine {self._engine('drafter_block')} returned draft_logits {width} wide; expected "
                                  f"V = {self.vocab_size} or the manifest's draft_vocab size "
                                  f"({'none' if self.d2t is None else len(self.d2t)})")
-        if slots is None:
+        if slots is None or len(slots) == len(draft_logits):
             return scatter_draft_logits(draft_logits, self.d2t, self.vocab_size)
         full = np.zeros(draft_logits.shape[:-1] + (self.vocab_size,), np.float32)
-        if len(slots):
-            full[slots] = scatter_draft_logits(draft_logits[slots], self.d2t, self.vocab_size)
+        full[slots] = scatter_draft_logits(draft_logits[slots], self.d2t, self.vocab_size)
         return full
 
     def _zero_draft_logits(self) -> np.ndarray:
