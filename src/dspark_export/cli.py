@@ -103,9 +103,10 @@ def _parser() -> argparse.ArgumentParser:
                         "own logits are what verification uses, so output is unchanged, but near-tied drafts can "
                         "differ) or float32, the target's own head shared. auto (default): float32 for a --drafter "
                         "checkpoint you bring (drafts exactly as its source), int8 for the shipped drafter")
-    b.add_argument("--weights", choices=("int4", "int8", "fp32"), default=None,
+    b.add_argument("--weights", choices=("int4", "int8", "w8a8", "fp32"), default=None,
                    help="the target's weights: int4 / int8 block-quantized (ONNX Runtime MatMulNBits, block 32; "
-                        "linear layers, LM head and embedding) or fp32 (default: int4, the fastest in "
+                        "linear layers, LM head and embedding), w8a8 (int8 weights and per-row int8 activations, "
+                        "MatMulInteger: verification rows cost far less) or fp32 (default: int4, the fastest in "
                         "reports/quant/quant.md; fp32 with an imported DeepSpec --drafter)")
     b.add_argument("--draft-vocab", default="auto", metavar="auto|full|N",
                    help="the drafter's draft vocabulary: its LM head computes N rows (the target's N most frequent "
@@ -114,8 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-vocab-from", default=None, metavar="FILE",
                    help="the token ranking for --draft-vocab N: a draft_vocab.json or a responses JSONL of the target "
                         "(scripts/train_drafter.py data); default <drafter folder>/draft_vocab.json")
-    b.add_argument("--drafter-weights", choices=("auto", "float32", "int8", "int4"), default="auto",
-                   help="the drafter layers' weights (ONNX Runtime MatMulNBits, row-local): auto = the shipped "
+    b.add_argument("--drafter-weights", choices=("auto", "float32", "int8", "int4", "w8a8"), default="auto",
+                   help="the drafter layers' weights (int4 / int8: ONNX Runtime MatMulNBits; w8a8: int8 weights and "
+                        "per-row int8 activations; all row-local): auto = the shipped "
                         "drafter's measured format, float32 (exact drafting) for any other drafter")
     b.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
 

@@ -98,7 +98,7 @@ class BuildConfig:
             `exporter.drafter.int8_lm_head`) or "float32" (the target's head, shared).
             "auto" is `resolve_drafter_lm_head`: float32 for an imported checkpoint, so it drafts exactly as
             its source, int8 for the shipped drafter and a fresh one.
-        weights: the target's weight format, "int4", "int8" or "fp32" (exporter/quantize.py); None =
+        weights: the target's weight format, "int4", "int8", "w8a8" or "fp32" (exporter/quantize.py); None =
             `quantize.DEFAULT_WEIGHTS`, except fp32 with an imported DeepSpec drafter (`resolved_weights`).
         draft_vocab: the drafter's draft vocabulary (`exporter.drafter.draft_vocab_head`): "auto" (the shipped
             drafter's committed size, `SHIPPED_DRAFTER_BUILD`, any other drafter the full vocabulary), "full",
@@ -106,8 +106,8 @@ class BuildConfig:
         draft_vocab_from: a ``draft_vocab.json`` ranking or a responses JSONL (`training.draft_vocab`); None =
             ``<drafter folder>/draft_vocab.json``.
         drafter_weights: the drafter layers' weights (`exporter.drafter.quantize_drafter_layers`): "auto" (the
-            shipped drafter's committed format, any other drafter float32: exact drafting), "float32", "int8"
-            or "int4".
+            shipped drafter's committed format, any other drafter float32: exact drafting), "float32", "int8",
+            "int4" or "w8a8".
         overwrite: replace an existing engine directory at `out`.
     """
 
@@ -358,11 +358,11 @@ def _write_report(manifest: Manifest) -> None:
 #: what `build` does by default ("auto") with the drafter shipped for the embedded target; every other drafter
 #: drafts exactly (fp32 target with an imported one, full vocabulary, float32 layers and head) unless told.
 #: Chosen from measurements: the int4 target (reports/quant/quant.md); d2t of 8,192 tokens (offline τ equal to
-#: the full vocabulary's, reports/drafter/draft-vocab.md); int4 layers (MatMulNBits: the block at R = 1 drops
-#: from ~0.35 to ~0.24 of the int4 target's one-token step there); the int8 head (a 4-bit one ran slower,
-#: reports/drafter/int4-head/). Like the int4 target, the int4 layers have no TensorRT import: the TensorRT
+#: the full vocabulary's, reports/drafter/draft-vocab.md); w8a8 layers (the block at R = 1 / 4 / 16 costs 0.77 /
+#: 0.72 / 0.49 of int4 layers', the same acceptance, reports/quant/w8a8/); the int8 head (a 4-bit one ran slower,
+#: reports/drafter/int4-head/). Like the int4 target, the quantized layers have no TensorRT import: the TensorRT
 #: backend takes `--weights fp32 --drafter-weights float32`.
-SHIPPED_DRAFTER_BUILD = {"weights": DEFAULT_WEIGHTS, "draft_vocab": 8192, "drafter_weights": "int4",
+SHIPPED_DRAFTER_BUILD = {"weights": DEFAULT_WEIGHTS, "draft_vocab": 8192, "drafter_weights": "w8a8",
                          "drafter_lm_head": "int8"}
 
 

@@ -140,7 +140,7 @@ def test_permuted_full_d2t_gives_the_full_head(tiny_llama, lm_head_dtype):
         np.testing.assert_array_equal(sub["draft_ids"], full["draft_ids"])
 
 
-@pytest.mark.parametrize("layer_weights", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("layer_weights", ["float32", "int8", "int4", "w8a8"])
 def test_d2t_block_drafts_inside_the_draft_vocabulary(tiny_llama, layer_weights):
     drafter = _drafter(tiny_llama)
     vocab = drafter.config.vocab_size
@@ -148,7 +148,11 @@ def test_d2t_block_drafts_inside_the_draft_vocabulary(tiny_llama, layer_weights)
     s_ctx, s_block, spec, block = _sessions(drafter, lm_head_dtype="int8", d2t=d2t, layer_weights=layer_weights)
     s_full_ctx, s_full, _, _ = _sessions(drafter, lm_head_dtype="int8")
     ops = {n.op_type for n in block.graph.node}
-    assert ("MatMulNBits" in ops) == (layer_weights != "float32")
+    assert ("MatMulNBits" in ops) == (layer_weights in ("int8", "int4"))
+    assert ("MatMulIntegerToFloat" in ops) == (layer_weights == "w8a8")
+    weights = {t.name for t in block.graph.initializer}
+    float_linears = [n.name for n in block.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    assert bool(float_linears) == (layer_weights == "float32"), float_linears
     assert spec.layer_weights == layer_weights and spec.draft_vocab_size == 40
     outside = np.setdiff1d(np.arange(vocab), d2t)
     for temperature in (0.0, 1.0):
@@ -284,7 +288,7 @@ def test_verification_keeps_the_target_distribution_with_a_draft_vocabulary(temp
 
 # -- end to end: spec == ar on engines with a draft vocabulary and quantized drafter layers -------------------
 
-@pytest.mark.parametrize("drafter_weights", ["int4", "float32"])
+@pytest.mark.parametrize("drafter_weights", ["int4", "w8a8", "float32"])
 def test_spec_equals_ar_with_draft_vocab(build_tiny_engine_dir, tmp_path_factory, drafter_weights):
     from dspark_export.engines.manifest import Manifest
     from dspark_export.runtime.api import Runtime

@@ -32,7 +32,7 @@ def _blocks(drafter, layer_weights, fused=True, **kw):
 
 
 @pytest.mark.parametrize("fused", [True, "contrib"])
-@pytest.mark.parametrize("layer_weights", ["float32", "int4"])
+@pytest.mark.parametrize("layer_weights", ["float32", "int4", "w8a8"])
 @pytest.mark.parametrize("d2t", [False, True], ids=["full", "d2t"])
 def test_fused_block_equals_the_plain_one(tiny_target, layer_weights, d2t, fused):
     drafter = _drafter(tiny_target)
@@ -66,9 +66,9 @@ def test_fused_block_is_the_default_for_quantized_layers_only(tiny_llama):
     rope = (drafter.inv_freq.numpy(), float(drafter.attention_scaling))
     with torch.no_grad():
         ops = {w: {n.op_type for n in build_block_graph(drafter, rope, None, layer_weights=w).graph.node}
-               for w in ("float32", "int8", "int4")}
+               for w in ("float32", "int8", "int4", "w8a8")}
     assert "FusedMatMul" not in ops["float32"] and "QuickGelu" not in ops["float32"]  # standard ONNX (TensorRT)
-    assert "FusedMatMul" in ops["int4"] and "FusedMatMul" in ops["int8"]
+    assert "FusedMatMul" in ops["int4"] and "FusedMatMul" in ops["int8"] and "FusedMatMul" in ops["w8a8"]
     with pytest.raises(ConfigError, match="fused expected"):
         build_block_graph(drafter, rope, None, fused="yes")
 

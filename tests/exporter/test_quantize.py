@@ -17,7 +17,8 @@ from dspark_export.exporter.quantize import (WeightFormat, dequantize_blocks, qu
 from dspark_export.exporter.target import build_target_graph
 
 TAPS = (1, 2)
-QUANT = ("int4", "int8")
+QUANT = ("int4", "int8", "w8a8")
+BLOCK_QUANT = ("int4", "int8")   # MatMulNBits formats
 
 
 def _session(proto, threads: int = 2) -> ort.InferenceSession:
@@ -48,7 +49,7 @@ def _past(spec, num_slots, capacity, seed=0):
 
 # -- the quantizer ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("weights", QUANT)
+@pytest.mark.parametrize("weights", BLOCK_QUANT)
 def test_blocks_are_onnxruntime_quantizers_own(weights):
     """quantize_blocks gives byte for byte what MatMulNBitsQuantizer writes for a MatMul (block 32, symmetric,
     accuracy_level 4), and no zero points (the kernel's default; float zero points are its slow path)."""
@@ -73,7 +74,7 @@ def test_blocks_are_onnxruntime_quantizers_own(weights):
     assert np.array_equal(inits[node.input[2]].reshape(scales.shape), scales)
 
 
-@pytest.mark.parametrize("weights", QUANT)
+@pytest.mark.parametrize("weights", BLOCK_QUANT)
 def test_dequantized_weights_are_within_one_step(weights):
     fmt = WeightFormat(weights)
     w = np.random.default_rng(1).normal(size=(128, 24)).astype(np.float32)
@@ -97,7 +98,7 @@ def _tied(model):
 
 def _source_of(name: str, sd: dict) -> np.ndarray:
     """The state_dict weight [out, in] a MatMulNBits initializer `..._Q{bits}` was quantized from."""
-    base = re.sub(r"_Q\d$", "", name)
+    base = re.sub(r"_(Q\d|W8)$", "", name)
     if base.endswith(".qkv_proj.weight"):
         p = base[: -len(".qkv_proj.weight")]
         return np.concatenate([sd[f"{p}.{t}_proj.weight"] for t in "qkv"])
@@ -107,7 +108,7 @@ def _source_of(name: str, sd: dict) -> np.ndarray:
     return sd[base]
 
 
-@pytest.mark.parametrize("weights", QUANT)
+@pytest.mark.parametrize("weights", BLOCK_QUANT)
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_every_linear_head_and_embedding_is_quantized_within_one_step(tiny_target, weights, tie):
     model = _tied(tiny_target) if tie else tiny_target
@@ -151,6 +152,60 @@ def test_every_linear_head_and_embedding_is_quantized_within_one_step(tiny_targe
     assert (np.abs(rows - table) <= step * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_w8a8_linears_and_head_are_int8_per_output_feature(tiny_target, tie):
+    """w8a8: every linear layer and the head is one MatMulIntegerToFloat over int8 weights [in, out] whose per-output
+    scales put each weight within half a step of its source; the activations are quantized by a per-row
+    QuantizeLinear (one block per row, zero point 128); the embedding is gathered from int8 blocks within a step."""
+    model = _tied(tiny_target) if tie else tiny_target
+    proto, spec = build_target_graph(model, TAPS, "w8a8")
+    onnx.checker.check_model(proto)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    ops = [n.op_type for n in proto.graph.node]
+    assert "MatMulNBits" not in ops and ops.count("MatMulIntegerToFloat") == 4 * spec.num_layers + 1
+    assert not any(n.op_type in ("MatMul", "Gemm") and any(i in inits and inits[i].ndim == 2 for i in n.input)
+                   for n in proto.graph.node)
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    for node in proto.graph.node:
+        if node.op_type != "MatMulIntegerToFloat":
+            continue
+        w_q, scale = inits[node.input[1]], inits[node.input[3]]
+        assert w_q.dtype == np.int8 and scale.shape == (w_q.shape[1],) and inits[node.input[4]] == 128
+        w = _source_of(node.input[1], sd)                                           # [out, in]
+        assert (np.abs(w_q.T * scale[:, None] - w) <= scale[:, None] * (0.5 + 1e-5)).all(), node.name
+        quant = producers[node.input[0]]
+        attrs = {a.name: helper.get_attribute_value(a) for a in quant.attribute}
+        assert quant.op_type == "QuantizeLinear" and attrs["block_size"] == w.shape[1] and attrs["axis"] == -1
+        assert quant.input[1] == node.input[2]   # the row scales it quantized with are the ones it multiplies by
+    [gather] = [n for n in proto.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert {a.name: helper.get_attribute_value(a) for a in gather.attribute}["bits"] == 8
+
+
+def test_w8a8_matmul_is_per_row_quantization_times_int8_weights():
+    """`matmul_w8a8` against its formula in numpy (rows of very different magnitude, a zero row, a bias), and a
+    row's output bitwise the same alone and among other rows."""
+    from dspark_export.exporter.builder import GraphBuilder
+    from dspark_export.exporter.quantize import matmul_w8a8, quantize_rows_int8
+
+    rng = np.random.default_rng(2)
+    w, bias = rng.normal(size=(24, 40)).astype(np.float32), rng.normal(size=24).astype(np.float32)
+    b = GraphBuilder("g")
+    b.input("x", "float32", ["n", 40])
+    b.output(matmul_w8a8(b, "x", "w", w, "lin", bias, "bias"), "y", "float32", ["n", 24])
+    sess = _session(b.model())
+    x = rng.normal(size=(5, 40)).astype(np.float32) * np.array([[1e-3], [1.0], [50.0], [0.0], [7.0]], np.float32)
+    y = sess.run(None, {"x": x})[0]
+    w_q, scale = quantize_rows_int8(w)
+    s = np.maximum(np.abs(x).max(axis=1, keepdims=True), 1e-30) / 127
+    x_q = np.clip(np.rint(x / s), -128, 127)
+    expected = (x_q @ w_q.astype(np.float32)) * s * scale + bias
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    np.testing.assert_array_equal(y[3], bias)     # a zero row
+    for i in range(5):
+        np.testing.assert_array_equal(sess.run(None, {"x": x[i:i + 1]})[0][0], y[i])
+
+
 def _mixed(spec, bucket_pad=3):
     rng = np.random.default_rng(0)
     segs = [Segment(0, rng.integers(0, spec.vocab_size, 5), 7), Segment(1, rng.integers(0, spec.vocab_size, 1), 0),
@@ -188,10 +243,10 @@ def test_quantized_graph_tracks_the_float_one(tiny_target, weights):
     feed = _feed(spec, segs, 4, lens, bucket, past)
     a, b = _run(_session(std), feed), _run(_session(quant), feed)
     corr = np.corrcoef(a["logits"].ravel(), b["logits"].ravel())[0, 1]
-    assert np.isfinite(b["logits"]).all() and corr > (0.999 if weights == "int8" else 0.95), corr
+    assert np.isfinite(b["logits"]).all() and corr > (0.95 if weights == "int4" else 0.999), corr
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8", "fp32-fused"])
+@pytest.mark.parametrize("weights", ["int4", "int8", "w8a8", "fp32-fused"])
 def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
     """Request 0 alone (bucket 1 and padded to 8) and packed beside three others (prefill, verify and decode rows
     with large activations) gives the same logits, features and K/V to float rounding: every kernel is row-local
@@ -360,7 +415,7 @@ def test_quantized_engine_directory(quant_engine_dir, float_engine_dir):
 def test_unknown_weight_format_is_named(tmp_path):
     from dspark_export.pipeline import BuildConfig
 
-    with pytest.raises(ConfigError, match=r"'int3'.*\['fp32', 'int4', 'int8'\]"):
+    with pytest.raises(ConfigError, match=r"'int3'.*\['fp32', 'int4', 'int8', 'w8a8'\]"):
         WeightFormat("int3")
     with pytest.raises(ConfigError, match="q4_0"):
         BuildConfig(out=tmp_path / "x", weights="q4_0")

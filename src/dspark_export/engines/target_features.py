@@ -40,10 +40,13 @@ def _feature_graph(path: Path):
     while name in producer and (not chain or chain[-1].op_type in ("Identity", "Reshape")):
         chain.append(producer[name])
         name = chain[-1].input[0]
-    if not chain or chain[-1].op_type not in ("Gemm", "MatMul", "MatMulNBits", "FusedMatMul"):
+    if not chain or chain[-1].op_type not in ("Gemm", "MatMul", "MatMulNBits", "FusedMatMul", "MatMulIntegerToFloat"):
         raise ConfigError(f"{path}: expected 'logits' to come from the LM head's GEMM, found "
                           f"{[n.op_type for n in chain]}")
     normed = chain[-1].input[0]
+    if chain[-1].op_type == "MatMulIntegerToFloat":   # w8a8 (exporter.quantize.matmul_w8a8): the head quantizes
+        normed = producer[normed].input[0]            # its rows first; the hidden state is the QuantizeLinear's x
+        chain += _quantization_of(graph, chain[-1], normed)
     for node in chain:
         graph.node.remove(node)
     keep = [o for o in graph.output if o.name == "aux_hidden"]
@@ -51,6 +54,25 @@ def _feature_graph(path: Path):
     graph.output.extend(keep)
     graph.output.append(onnx.helper.make_tensor_value_info(normed, onnx.TensorProto.FLOAT, None))
     return model, normed
+
+
+def _quantization_of(graph, head, hidden: str) -> list:
+    """The nodes between `hidden` and the w8a8 `head` that nothing else reads (its per-row quantization)."""
+    producer = {out: n for n in graph.node for out in n.output}
+    found, stack = {}, [i for i in head.input if i and i != hidden]
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and id(node) not in found:
+            found[id(node)] = node
+            stack += [i for i in node.input if i and i != hidden]
+    outputs = {o.name for o in graph.output}
+    while True:   # keep a node another (kept) node or a graph output still reads
+        read = {i for n in graph.node if id(n) not in found and n is not head for i in n.input}
+        kept = [k for k, n in found.items() if any(o in read or o in outputs for o in n.output)]
+        if not kept:
+            return list(found.values())
+        for k in kept:
+            del found[k]
 
 
 def _empty_cache_prefill(graph) -> int:

@@ -44,6 +44,8 @@ class GraphBuilder:
         self.opsets: dict[str, int] = {"": OPSET}
         self._consts: dict[tuple, str] = {}
         self._names: set[str] = set()
+        #: values built once per graph and reused by later nodes, by key (e.g. `quantize.matmul_w8a8`'s zero point)
+        self.shared: dict[str, str] = {}
 
     # -- graph interface -------------------------------------------------------------------
     def input(self, name: str, dtype: str, shape: Sequence[int | str]) -> str:

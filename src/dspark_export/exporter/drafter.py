@@ -55,7 +55,7 @@ from ..plugins.markov_draft.schema import D2T_INITIALIZER
 from ..plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB as _OUTSIDE_DRAFT_VOCAB
 from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
                       save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
-from .quantize import MS_DOMAIN
+from .quantize import MS_DOMAIN, quantize_matmuls_w8a8, quantize_rows_int8
 
 __all__ = ["DrafterGraphSpec", "build_drafter_graphs", "export_drafter", "check_d2t", "draft_vocab_head",
            "draft_vocab_logits",
@@ -82,7 +82,7 @@ class DrafterGraphSpec:
     lm_head_dtype: str = "float32"  #: "float32" (Gemm) or "int8" (see `int8_lm_head`)
     #: rows of the LM head: N of the draft vocabulary `d2t` (`draft_vocab_head`), 0 = the full vocabulary V
     draft_vocab_size: int = 0
-    #: the drafter layers' linear weights: "float32" or MatMulNBits "int8" / "int4" (`quantize_drafter_layers`)
+    #: the drafter layers' linear weights: "float32", MatMulNBits "int8" / "int4", or "w8a8" (`quantize_drafter_layers`)
     layer_weights: str = "float32"
 
     def to_dict(self) -> dict:
@@ -136,7 +136,7 @@ def drafter_block_io_contract(spec: DrafterGraphSpec) -> dict:
 
 LM_HEAD_DTYPES = ("float32", "int8")
 #: drafter layer weight formats: float32, or ONNX Runtime's MatMulNBits (`quantize_drafter_layers`)
-LAYER_WEIGHTS = ("float32", "int8", "int4")
+LAYER_WEIGHTS = ("float32", "int8", "int4", "w8a8")
 #: draft logit of a token outside the draft vocabulary (the op contract's fill, see its schema)
 OUTSIDE_DRAFT_VOCAB = _OUTSIDE_DRAFT_VOCAB
 
@@ -222,6 +222,8 @@ def quantize_drafter_layers(model: onnx.ModelProto, layer_weights: str, block_si
     that fall on MatMulNBits' slow path) with ``accuracy_level = 4``: activations go to int8 per block of
     each row, so a request's drafts never depend on its batch mates. The LM head is a Gemm or
     MatMulInteger (`int8_lm_head`) and is left alone; the attention MatMuls have no constant weight.
+    "w8a8" instead rewrites them as `quantize.matmul_w8a8` (int8 weights, per-row int8 activations, integer GEMM):
+    row-local too, and its cost grows little with the block's rows.
 
     Args:
         model: a drafter graph from `build_context_graph` / `build_block_graph` (weights inline).
@@ -233,6 +235,8 @@ def quantize_drafter_layers(model: onnx.ModelProto, layer_weights: str, block_si
         raise ConfigError(f"drafter layer weights: expected one of {list(LAYER_WEIGHTS)}, found {layer_weights!r}")
     if layer_weights == "float32":
         return model
+    if layer_weights == "w8a8":
+        return quantize_matmuls_w8a8(model)
     import logging
 
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
@@ -255,21 +259,9 @@ def quantize_drafter_layers(model: onnx.ModelProto, layer_weights: str, block_si
 
 
 def quantize_lm_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-row int8 weights of an LM head.
-
-    Args:
-        weight: [V, H] float32.
-
-    Returns:
-        (w_q [H, V] int8, transposed for MatMulInteger; scale [V] float32), with
-        ``weight ≈ (w_q.T * scale[:, None])``, ``scale_v = max|weight_v| / 127`` (1 for an all-zero
-        vocabulary row, whose w_q is then 0).
-    """
-    weight = np.asarray(weight, np.float32)
-    peak = np.abs(weight).max(axis=1)
-    scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
-    w_q = np.clip(np.rint(weight / scale[:, None]), -127, 127).astype(np.int8)
-    return np.ascontiguousarray(w_q.T), scale
+    """Symmetric per-row int8 weights of an LM head [V, H]: (w_q [H, V] int8, transposed for MatMulInteger;
+    scale [V] float32), `quantize.quantize_rows_int8`."""
+    return quantize_rows_int8(weight)
 
 
 def int8_lm_head(b: GraphBuilder, h: str, weight: np.ndarray) -> str:
@@ -629,7 +621,7 @@ def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
         target_weights: the target's weight format; when quantized, the block embeds its tokens from the
             target's quantized table (`quantize.share_quantized_embedding`) instead of a float copy.
         d2t: draft vocabulary [N] (`draft_vocab_head`), None = the full vocabulary.
-        layer_weights: "float32", "int8" or "int4" drafter layers (`quantize_drafter_layers`).
+        layer_weights: "float32", "int8", "int4" or "w8a8" drafter layers (`quantize_drafter_layers`).
     """
     ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed, lm_head_dtype, d2t, layer_weights)
     if target_embed is not None:

@@ -1,4 +1,5 @@
-"""Weight formats of the exported graphs: fp32, or block-quantized int4 / int8 weights (ONNX Runtime's quantizer).
+"""Weight formats of the exported graphs: fp32, block-quantized int4 / int8 weights (ONNX Runtime's quantizer),
+or w8a8: int8 weights and int8 activations quantized per row (`matmul_w8a8`).
 
 A quantized linear layer is one ``com.microsoft::MatMulNBits`` node whose packed weights come from ONNX
 Runtime's own block quantizer (``onnxruntime.quantization.matmul_nbits_quantizer.DefaultWeightOnlyQuantizer``,
@@ -17,6 +18,15 @@ The embedding table is gathered with ``com.microsoft::GatherBlockQuantized`` fro
 gather's data is a second initializer over the very bytes of the head's MatMulNBits weight (same file,
 offset and length; `VIEW_DOC`), because the two ops want different shapes for the same bytes.
 
+w8a8 (SmoothQuant's "W8A8, per-token dynamic activations" without the smoothing): each weight column is int8
+with one symmetric scale per output feature, each activation row is quantized on its own at run time, and the
+product runs in ONNX Runtime's integer GEMM (``MatMulInteger``, uint8 × int8: the VNNI path). The int32 sums are
+exact, so a row's output is bitwise the same alone or beside other rows, at any row count. Why: MatMulNBits
+turns compute-bound beyond two rows (each verification row of the int4 target costs about a seventh of a
+one-token pass), while the integer GEMM keeps its throughput; a verification block then costs little more than
+one token (reports/quant/w8a8/). The embedding is gathered from int8 blocks (GatherBlockQuantized, bits 8); the
+head keeps its own int8 copy in the GEMM's layout.
+
 Shapes (K input features, N output features, kb = K/32 blocks, blob = 32·bits/8 bytes):
 ``packed [N, kb, blob] uint8``, ``scales [N, kb] float32``; a weight W [K, N] dequantizes as
 ``W[k, n] ≈ scales[n, k // 32] · (q[n, k] - 2^(bits-1))``.
@@ -34,11 +44,12 @@ from .builder import MS_DOMAIN
 
 __all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "KEY_CHUNK", "EXACT_MAX_KEYS", "aligned",
            "check_exact_context", "quantize_blocks", "dequantize_blocks", "matmul_nbits", "gather_block_quantized",
+           "quantize_rows_int8", "matmul_w8a8", "quantize_matmuls_w8a8", "project",
            "share_quantized_embedding", "VIEW_DOC", "MS_DOMAIN"]
 
 
 #: weight formats `build --weights` accepts: name -> bits (None = float32, no quantization)
-WEIGHT_FORMATS = {"int4": 4, "int8": 8, "fp32": None}
+WEIGHT_FORMATS = {"int4": 4, "int8": 8, "w8a8": 8, "fp32": None}
 
 #: the embedded default's format: int4, the fastest end to end (reports/quant/quant.md). Lossless because the
 #: quantized graph's attention sums over keys in one fixed order (target.py, `_exact_attention`): a row's
@@ -83,7 +94,7 @@ class WeightFormat:
     """How the target's linear layers, LM head and embedding are stored.
 
     Attributes:
-        name: "int4", "int8" or "fp32".
+        name: "int4", "int8", "w8a8" or "fp32".
         block_size: input features per quantization block (MatMulNBits' ``block_size``).
         accuracy_level: MatMulNBits' ``accuracy_level`` (4 = int8 activations per row and block).
     """
@@ -96,7 +107,7 @@ class WeightFormat:
         if self.name not in WEIGHT_FORMATS:
             raise ConfigError(f"weights: unknown weight format {self.name!r}; expected one of "
                               f"{sorted(WEIGHT_FORMATS)} (int4 and int8: MatMulNBits block-quantized weights, "
-                              "fp32: plain float32)")
+                              "w8a8: int8 weights and per-row int8 activations, fp32: plain float32)")
 
     @property
     def bits(self) -> int | None:
@@ -105,6 +116,11 @@ class WeightFormat:
     @property
     def quantized(self) -> bool:
         return self.bits is not None
+
+    @property
+    def per_row_activations(self) -> bool:
+        """w8a8: linear layers are `matmul_w8a8` (per-row int8 activations), not MatMulNBits."""
+        return self.name == "w8a8"
 
 
 def _quantizer(fmt: WeightFormat):
@@ -159,6 +175,99 @@ def matmul_nbits(b, x: str, weight_name: str, weight_out_in: np.ndarray, fmt: We
         inputs += ["", "", b.weight(bias_name, bias)]
     return b.op("MatMulNBits", inputs, name, domain=MS_DOMAIN, K=int(in_f), N=int(out_f), bits=fmt.bits,
                 block_size=fmt.block_size, accuracy_level=fmt.accuracy_level)
+
+
+def quantize_rows_int8(weight_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 weights with one scale per output feature.
+
+    Args:
+        weight_out_in: W [N, K] float32 (a PyTorch Linear weight, or an LM head [V, H]).
+
+    Returns:
+        (w_q [K, N] int8, transposed for MatMulInteger; scale [N] float32), with
+        ``W ≈ w_q.T · scale[:, None]``, ``scale_n = max|W_n| / 127`` (1 for an all-zero row, whose w_q is then 0).
+    """
+    weight = np.asarray(weight_out_in, np.float32)
+    peak = np.abs(weight).max(axis=1)
+    scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
+    w_q = np.clip(np.rint(weight / scale[:, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(w_q.T), scale
+
+
+def matmul_w8a8(b, x: str, weight_name: str, weight_out_in: np.ndarray, name: str,
+                bias: np.ndarray | None = None, bias_name: str | None = None, rows: str = "rows") -> str:
+    """x @ Wᵀ (+ bias) for a PyTorch Linear weight W [out, in] in w8a8; x [..., n, in] -> [..., n, out].
+
+    Per row i of x: ``s_i = max(max|x_i|, 1e-30) / 127``, ``x_u8 = QuantizeLinear(x_i, s_i, 128)`` (blocked
+    quantization, one block per row); then ``com.microsoft::MatMulIntegerToFloat(x_u8, w_q, s_i, scale, 128)``
+    = ``s_i · scale_n · Σ_k (x_u8 − 128)·w_q``, then + bias: exact int32 sums, then one float product per
+    element, so a row's output does not depend on the other rows. Weights from `quantize_rows_int8`, stored as
+    ``{weight_name}_W8`` (int8 [in, out]) and ``{weight_name}_W8_scales`` ([out]), reused when already added.
+    The zero-point tensor (128 in the shape of s) is built once per `rows` key: linear layers fed the same
+    rows share it. Like MatMulNBits' int8 activations, a NaN inside a row may not survive the quantization.
+    """
+    q_name, s_name = f"{weight_name}_W8", f"{weight_name}_W8_scales"
+    if q_name not in b.initializers:
+        w_q, scale = quantize_rows_int8(weight_out_in)
+        b.weight(q_name, w_q)
+        b.weight(s_name, scale)
+    k = int(np.asarray(weight_out_in).shape[1])
+    peak = b.op("ReduceMax", [b.op("Abs", [x], name), b.const([-1])], name, keepdims=1)   # [..., n, 1]
+    row_scale = b.op("Div", [b.op("Max", [peak, b.const(1e-30, "float32")], name), b.const(127.0, "float32")], name)
+    zp_key = f"w8a8_zero_point/{rows}"
+    zero_point = b.shared.get(zp_key)
+    if zero_point is None:
+        zero_point = b.op("Expand", [b.const(128, "uint8"), b.op("Shape", [row_scale], "w8a8_zero_point")],
+                          "w8a8_zero_point")
+        b.shared[zp_key] = zero_point
+    x_u8 = b.op("QuantizeLinear", [x, row_scale, zero_point], name, axis=-1, block_size=k)
+    y = b.op("MatMulIntegerToFloat", [x_u8, q_name, row_scale, s_name, b.const(128, "uint8")], name, domain=MS_DOMAIN)
+    # not the op's own bias input: ONNX Runtime 1.32's CPU kernel scales it by the row scale
+    return y if bias is None else b.op("Add", [y, b.weight(bias_name, np.asarray(bias, np.float32))], name)
+
+
+def quantize_matmuls_w8a8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rewrite every MatMul of `model` with a constant 2-D weight [in, out] (a `builder.linear`) as `matmul_w8a8`,
+    in place; returns `model`. The float weights are dropped once nothing reads them. Node names keep the
+    MatMul's scope (``/{graph}_w8a8/{scope}/{op}``), so profiles still attribute them to their layer."""
+    from .builder import GraphBuilder
+
+    inits = {t.name: t for t in model.graph.initializer}
+    builders: dict[str, GraphBuilder] = {}
+    nodes = []
+    for node in model.graph.node:
+        weight = inits.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
+        if weight is None or len(weight.dims) != 2:
+            nodes.append(node)
+            continue
+        parts = node.name.split("/")   # "/{graph}/{scope...}/MatMul"
+        graph, scope = (parts[1], "/".join(parts[2:-1])) if len(parts) > 3 else (model.graph.name, node.name)
+        b = builders.setdefault(graph, GraphBuilder(f"{graph}_w8a8"))
+        start = len(b.nodes)
+        matmul_w8a8(b, node.input[0], node.input[1], onnx.numpy_helper.to_array(weight).T, scope, rows=node.name)
+        b.nodes[-1].output[0] = node.output[0]
+        nodes.extend(b.nodes[start:])
+    if not builders:
+        return model
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    read = {i for n in model.graph.node for i in n.input}
+    keep = [t for t in model.graph.initializer if t.name in read]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    for b in builders.values():
+        model.graph.initializer.extend(t for name, t in b.initializers.items() if name in read)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    return model
+
+
+def project(b, x: str, weight_name: str, weight_out_in: np.ndarray, fmt: WeightFormat, name: str,
+            bias: np.ndarray | None = None, bias_name: str | None = None, rows: str = "rows") -> str:
+    """x @ Wᵀ (+ bias) in a quantized format: `matmul_w8a8` for w8a8 (`rows`: see there), else `matmul_nbits`."""
+    if fmt.per_row_activations:
+        return matmul_w8a8(b, x, weight_name, weight_out_in, name, bias, bias_name, rows)
+    return matmul_nbits(b, x, weight_name, weight_out_in, fmt, name, bias, bias_name)
 
 
 def gather_block_quantized(b, table_name: str, table: np.ndarray, ids: str, fmt: WeightFormat, name: str) -> str:

@@ -40,7 +40,7 @@ import torch
 from ..errors import ExportError
 from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
                       save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
-from .quantize import KEY_CHUNK, MS_DOMAIN, WeightFormat, gather_block_quantized, matmul_nbits
+from .quantize import KEY_CHUNK, MS_DOMAIN, WeightFormat, gather_block_quantized, project
 
 __all__ = ["TargetGraphSpec", "build_target_graph", "export_target", "target_io_contract"]
 
@@ -59,7 +59,7 @@ class TargetGraphSpec:
     vocab_size: int
     max_position_embeddings: int
     tap_layer_ids: tuple[int, ...]
-    weights: str = "fp32"  #: weight format (exporter/quantize.py: "fp32", "int4", "int8")
+    weights: str = "fp32"  #: weight format (exporter/quantize.py: "fp32", "int4", "int8", "w8a8")
 
     @property
     def feature_size(self) -> int:
@@ -166,7 +166,7 @@ def build_target_graph(model, tap_layer_ids, weights: str = "fp32",
     Args:
         model: a `LlamaForCausalLM`/`Qwen2ForCausalLM`/`Qwen3ForCausalLM` (any dtype; weights are cast to fp32).
         tap_layer_ids: decoder layers whose raw outputs form `aux_hidden`, in order.
-        weights: "fp32", "int4" or "int8" (exporter/quantize.py): the linear layers, LM head and embedding.
+        weights: "fp32", "int4", "int8" or "w8a8" (exporter/quantize.py): the linear layers, LM head and embedding.
         fused: build the fused form (`_build_fused`: ONNX Runtime contrib ops, fewer nodes per layer).
             None = fused exactly when quantized, so the fp32 graph stays standard ONNX (the TensorRT path).
     Returns:
@@ -240,7 +240,7 @@ def _to_output(b: GraphBuilder, op_type: str, inputs: list[str], output: str, di
 def _project(b, x: str, fmt: WeightFormat, weight_name: str, weight: np.ndarray, name: str,
              bias: np.ndarray | None = None, bias_name: str | None = None) -> str:
     if fmt.quantized:
-        return matmul_nbits(b, x, weight_name, weight, fmt, name, bias, bias_name)
+        return project(b, x, weight_name, weight, fmt, name, bias, bias_name)
     return linear(b, x, weight_name, weight, name, bias, bias_name)
 
 
@@ -446,7 +446,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
     tied = "lm_head.weight" not in sd or np.array_equal(sd["lm_head.weight"], sd[embed_key])
     head_key = embed_key if tied else "lm_head.weight"
     if fmt.quantized:
-        matmul_nbits(b, normed, head_key, sd[head_key], fmt, "lm_head")
+        project(b, normed, head_key, sd[head_key], fmt, "lm_head", rows="logit_rows")
         b.nodes[-1].output[0] = "logits"
         b.outputs.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["M", spec.vocab_size]))
     else:

@@ -241,7 +241,7 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
     contrib = sorted({n.op_type for n in out.graph.node if n.domain == "com.microsoft"})
     if contrib:  # MatMulNBits, GatherBlockQuantized, the fused ops of a quantized build (exporter/quantize.py)
         raise BuildError(f"{name}: ONNX Runtime contrib ops {contrib} have no TensorRT import (an engine directory "
-                         "built with --weights or --drafter-weights int4 or int8); build it with `dspark-export build "
+                         "built with --weights or --drafter-weights int4, int8 or w8a8); build it with `dspark-export build "
                          "--weights fp32 --drafter-weights float32` for the TensorRT backend")
     result.int8_heads = lower_int8_heads(out.graph, name)
     result.draft_vocab_nodes = expand_draft_vocab(out.graph, name)
