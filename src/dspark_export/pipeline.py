@@ -72,9 +72,10 @@ def drafter_approximations(lm_head: str, draft_vocab: int | None = None,
                     "effect": "drafts only from the top-N target tokens (d2t); q is 0 elsewhere (output stays "
                               "lossless; acceptance can differ)"})
     if layer_weights != "float32":
+        kind = ("int8 drafter layers with per-row int8 activations (w8a8)" if layer_weights == "w8a8"
+                else "block-quantized drafter layers (MatMulNBits)")
         out.append({"name": "drafter_weights", "value": layer_weights,
-                    "effect": "block-quantized drafter layers (MatMulNBits): drafts can differ (output stays "
-                              "lossless; acceptance can differ)"})
+                    "effect": f"{kind}: drafts can differ (output stays lossless; acceptance can differ)"})
     return out
 
 

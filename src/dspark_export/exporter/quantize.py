@@ -1,7 +1,7 @@
 """Weight formats of the exported graphs: fp32, block-quantized int4 / int8 weights (ONNX Runtime's quantizer),
 or w8a8: int8 weights and int8 activations quantized per row (`matmul_w8a8`).
 
-A quantized linear layer is one ``com.microsoft::MatMulNBits`` node whose packed weights come from ONNX
+An int4 or int8 linear layer is one ``com.microsoft::MatMulNBits`` node whose packed weights come from ONNX
 Runtime's own block quantizer (``onnxruntime.quantization.matmul_nbits_quantizer.DefaultWeightOnlyQuantizer``,
 the routine ``MatMulNBitsQuantizer`` runs on every MatMul; `quantize_blocks`):
 
@@ -20,8 +20,8 @@ offset and length; `VIEW_DOC`), because the two ops want different shapes for th
 
 w8a8 (SmoothQuant's "W8A8, per-token dynamic activations" without the smoothing): each weight column is int8
 with one symmetric scale per output feature, each activation row is quantized on its own at run time, and the
-product runs in ONNX Runtime's integer GEMM (``MatMulInteger``, uint8 × int8: the VNNI path). The int32 sums are
-exact, so a row's output is bitwise the same alone or beside other rows, at any row count. Why: MatMulNBits
+product runs in ONNX Runtime's integer GEMM (``MatMulIntegerToFloat``, uint8 × int8: the VNNI path). The int32
+sums are exact, so a row's output is bitwise the same alone or beside other rows, at any row count. Why: MatMulNBits
 turns compute-bound beyond two rows (each verification row of the int4 target costs about a seventh of a
 one-token pass), while the integer GEMM keeps its throughput; a verification block then costs little more than
 one token (reports/quant/w8a8/). The embedding is gathered from int8 blocks (GatherBlockQuantized, bits 8); the
