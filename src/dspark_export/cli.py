@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", choices=("int4", "int8", "w8a8", "fp32"), default=None,
                    help="the target's weights: int4 / int8 block-quantized (ONNX Runtime MatMulNBits, block 32; "
                         "linear layers, LM head and embedding), w8a8 (int8 weights and per-row int8 activations, "
-                        "MatMulInteger: verification rows cost far less) or fp32 (default: int4, the fastest in "
+                        "MatMulIntegerToFloat: verification rows cost far less) or fp32 (default: int4, the fastest in "
                         "reports/quant/quant.md; fp32 with an imported DeepSpec --drafter)")
     b.add_argument("--draft-vocab", default="auto", metavar="auto|full|N",
                    help="the drafter's draft vocabulary: its LM head computes N rows (the target's N most frequent "

@@ -30,7 +30,7 @@ from .engines.profiler import measure_profile
 from .engines.sps import SPS_PATH, encode_sps, write_sps
 from .errors import BuildError, ConfigError, ProfileError
 from .exporter.drafter import LAYER_WEIGHTS, export_drafter
-from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat, check_exact_context
+from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat, check_exact_context, int8_gemm_saturates
 from .exporter.target import export_target
 from .exporter.verify import export_verify
 
@@ -292,6 +292,9 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     if inputs.drafter_source.get("kind") == "checkpoint" and not inputs.drafter_source.get("shipped") and approximations:
         say(f"note: the imported drafter runs with approximations {[a['name'] for a in approximations]} (asked "
             "for): its drafts can differ from its source's")
+    if "w8a8" in (weights, layer_weights) and int8_gemm_saturates():
+        say("warning: this CPU has no AVX-VNNI/AVX512-VNNI/AMX: ONNX Runtime's u8 x s8 GEMM saturates here, so "
+            "w8a8 layers lose accuracy (outputs stay lossless to ar); --weights int4 --drafter-weights int4 avoid it")
     graphs = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
@@ -359,8 +362,8 @@ def _write_report(manifest: Manifest) -> None:
 #: what `build` does by default ("auto") with the drafter shipped for the embedded target; every other drafter
 #: drafts exactly (fp32 target with an imported one, full vocabulary, float32 layers and head) unless told.
 #: Chosen from measurements: the int4 target (reports/quant/quant.md); d2t of 8,192 tokens (offline τ equal to
-#: the full vocabulary's, reports/drafter/draft-vocab.md); w8a8 layers (the block at R = 1 / 4 / 16 costs 0.77 /
-#: 0.72 / 0.49 of int4 layers', the same acceptance, reports/quant/w8a8/); the int8 head (a 4-bit one ran slower,
+#: the full vocabulary's, reports/drafter/draft-vocab.md); w8a8 layers (the block costs 0.77 of int4 layers' at
+#: R = 1 in CPU time, 0.72 / 0.49 at R = 4 / 16 in wall time; the same acceptance, reports/quant/w8a8/); the int8 head (a 4-bit one ran slower,
 #: reports/drafter/int4-head/). Like the int4 target, the quantized layers have no TensorRT import: the TensorRT
 #: backend takes `--weights fp32 --drafter-weights float32`.
 SHIPPED_DRAFTER_BUILD = {"weights": DEFAULT_WEIGHTS, "draft_vocab": 8192, "drafter_weights": "w8a8",

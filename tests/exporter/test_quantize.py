@@ -328,7 +328,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19,
 
 @pytest.fixture(scope="module", params=QUANT)
 def quant_engine_dir(request, build_tiny_engine_dir):
-    return request.param, build_tiny_engine_dir(f"engines-{request.param}", weights=request.param, **BUCKETS)
+    # drafter layers in w8a8 as the shipped drafter builds them, so spec == ar covers both quantized graphs
+    return request.param, build_tiny_engine_dir(f"engines-{request.param}", weights=request.param,
+                                                drafter_weights="w8a8", **BUCKETS)
 
 
 @pytest.fixture(scope="module")
@@ -459,12 +461,13 @@ def test_gguf_type_we_cannot_dequantize_is_named(tmp_path):
         load_target(path)
 
 
-def test_tensorrt_lowering_refuses_a_quantized_graph_by_name(tiny_llama):
+@pytest.mark.parametrize("weights, op", [("int4", "MatMulNBits"), ("w8a8", "MatMulIntegerToFloat")])
+def test_tensorrt_lowering_refuses_a_quantized_graph_by_name(tiny_llama, weights, op):
     from dspark_export.engines.trt.lowering import lower_model
     from dspark_export.errors import BuildError
 
-    proto, _ = build_target_graph(tiny_llama, TAPS, "int4")
-    with pytest.raises(BuildError, match=r"MatMulNBits.*--weights fp32"):
+    proto, _ = build_target_graph(tiny_llama, TAPS, weights)
+    with pytest.raises(BuildError, match=rf"{op}.*w8a8.*--weights fp32"):
         lower_model(proto, "target")
 
 
@@ -488,3 +491,27 @@ def test_engine_features_on_quantized_engines_equal_a_pass_over_a_longer_cache(q
                 **{f"past_{kv}.{l}": empty for l in range(source._layers) for kv in ("key", "value")}}
         np.testing.assert_array_equal(runner.run(["aux_hidden"], feed)[0], aux)
         assert aux.shape[0] == T and last.shape == (T, source.hidden_size)
+
+
+def test_int8_gemm_saturation_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
+    """`int8_gemm_saturates`: x86-64 without a VNNI/AMX-INT8 flag saturates, with one it does not; other
+    architectures are not judged."""
+    import builtins
+    import platform
+
+    from dspark_export.exporter import quantize
+
+    real_open = builtins.open
+
+    def cpuinfo(flags):
+        path = tmp_path / "cpuinfo"
+        path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        return lambda p, *a, **k: real_open(path if p == "/proc/cpuinfo" else p, *a, **k)
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(builtins, "open", cpuinfo("fpu sse avx2 avx512f"))
+    assert quantize.int8_gemm_saturates()
+    monkeypatch.setattr(builtins, "open", cpuinfo("fpu avx2 avx512f avx512_vnni"))
+    assert not quantize.int8_gemm_saturates()
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert not quantize.int8_gemm_saturates()

@@ -25,7 +25,10 @@ sums are exact, so a row's output is bitwise the same alone or beside other rows
 turns compute-bound beyond two rows (each verification row of the int4 target costs about a seventh of a
 one-token pass), while the integer GEMM keeps its throughput; a verification block then costs little more than
 one token (reports/quant/w8a8/). The embedding is gathered from int8 blocks (GatherBlockQuantized, bits 8); the
-head keeps its own int8 copy in the GEMM's layout.
+head keeps its own int8 copy in the GEMM's layout. The sums are exact where the CPU multiplies u8 × s8 without
+saturating: x86 with AVX-VNNI, AVX512-VNNI or AMX, and ARM. On x86 CPUs with AVX2 but no VNNI, ONNX Runtime's
+u8 × s8 kernel adds pairs of products in int16 (VPMADDUBSW), which saturates: still row-local, less accurate.
+`build` warns there (`int8_gemm_saturates`).
 
 Shapes (K input features, N output features, kb = K/32 blocks, blob = 32·bits/8 bytes):
 ``packed [N, kb, blob] uint8``, ``scales [N, kb] float32``; a weight W [K, N] dequantizes as
@@ -44,7 +47,7 @@ from .builder import MS_DOMAIN
 
 __all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "KEY_CHUNK", "EXACT_MAX_KEYS", "aligned",
            "check_exact_context", "quantize_blocks", "dequantize_blocks", "matmul_nbits", "gather_block_quantized",
-           "quantize_rows_int8", "matmul_w8a8", "quantize_matmuls_w8a8", "project",
+           "quantize_rows_int8", "matmul_w8a8", "quantize_matmuls_w8a8", "int8_gemm_saturates", "project",
            "share_quantized_embedding", "VIEW_DOC", "MS_DOMAIN"]
 
 
@@ -200,7 +203,7 @@ def matmul_w8a8(b, x: str, weight_name: str, weight_out_in: np.ndarray, name: st
 
     Per row i of x: ``s_i = max(max|x_i|, 1e-30) / 127``, ``x_u8 = QuantizeLinear(x_i, s_i, 128)`` (blocked
     quantization, one block per row); then ``com.microsoft::MatMulIntegerToFloat(x_u8, w_q, s_i, scale, 128)``
-    = ``s_i · scale_n · Σ_k (x_u8 − 128)·w_q``, then + bias: exact int32 sums, then one float product per
+    = ``(Σ_k (x_u8 − 128)·w_q) · scale_n · s_i``, then + bias: exact int32 sums, then one float product per
     element, so a row's output does not depend on the other rows. Weights from `quantize_rows_int8`, stored as
     ``{weight_name}_W8`` (int8 [in, out]) and ``{weight_name}_W8_scales`` ([out]), reused when already added.
     The zero-point tensor (128 in the shape of s) is built once per `rows` key: linear layers fed the same
@@ -228,13 +231,14 @@ def matmul_w8a8(b, x: str, weight_name: str, weight_out_in: np.ndarray, name: st
 
 def quantize_matmuls_w8a8(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rewrite every MatMul of `model` with a constant 2-D weight [in, out] (a `builder.linear`) as `matmul_w8a8`,
-    in place; returns `model`. The float weights are dropped once nothing reads them. Node names keep the
-    MatMul's scope (``/{graph}_w8a8/{scope}/{op}``), so profiles still attribute them to their layer."""
+    in place; returns `model`. The replaced float weights are dropped once nothing reads them. Linears reading
+    the same input share its zero point. Node names keep the MatMul's scope (``/{graph}_w8a8/{scope}/{op}``), so
+    profiles still attribute them to their layer."""
     from .builder import GraphBuilder
 
     inits = {t.name: t for t in model.graph.initializer}
     builders: dict[str, GraphBuilder] = {}
-    nodes = []
+    nodes, replaced = [], set()
     for node in model.graph.node:
         weight = inits.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
         if weight is None or len(weight.dims) != 2:
@@ -244,15 +248,17 @@ def quantize_matmuls_w8a8(model: onnx.ModelProto) -> onnx.ModelProto:
         graph, scope = (parts[1], "/".join(parts[2:-1])) if len(parts) > 3 else (model.graph.name, node.name)
         b = builders.setdefault(graph, GraphBuilder(f"{graph}_w8a8"))
         start = len(b.nodes)
-        matmul_w8a8(b, node.input[0], node.input[1], onnx.numpy_helper.to_array(weight).T, scope, rows=node.name)
+        matmul_w8a8(b, node.input[0], node.input[1], onnx.numpy_helper.to_array(weight).T, scope,
+                    rows=node.input[0])
         b.nodes[-1].output[0] = node.output[0]
         nodes.extend(b.nodes[start:])
+        replaced.add(node.input[1])
     if not builders:
         return model
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     read = {i for n in model.graph.node for i in n.input}
-    keep = [t for t in model.graph.initializer if t.name in read]
+    keep = [t for t in model.graph.initializer if t.name in read or t.name not in replaced]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
     for b in builders.values():
@@ -260,6 +266,20 @@ def quantize_matmuls_w8a8(model: onnx.ModelProto) -> onnx.ModelProto:
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     return model
+
+
+def int8_gemm_saturates() -> bool:
+    """Whether this machine's u8 × s8 GEMM saturates (x86-64 without AVX-VNNI, AVX512-VNNI or AMX-INT8, read from
+    /proc/cpuinfo); False where that cannot be told (another OS or architecture)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), None)
+    except OSError:
+        return False
+    return flags is not None and not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags)
 
 
 def project(b, x: str, weight_name: str, weight_out_in: np.ndarray, fmt: WeightFormat, name: str,

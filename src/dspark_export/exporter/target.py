@@ -184,7 +184,7 @@ def build_target_graph(model, tap_layer_ids, weights: str = "fp32",
         b.input(name, dtype, shape)
     if fmt.quantized or fused:
         if fused is False:
-            raise ExportError(f"target graph: weights {fmt.name} need the fused graph (MatMulNBits is a contrib op)")
+            raise ExportError(f"target graph: weights {fmt.name} need the fused graph (its quantized ops are contrib ops)")
         return _build_fused(b, model, spec, sd, eps, fmt), spec
     embed = b.weight("model.embed_tokens.weight", sd["model.embed_tokens.weight"])
     h = b.op("Gather", [embed, "input_ids"], "embed_tokens", axis=0)
