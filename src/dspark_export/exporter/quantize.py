@@ -276,7 +276,8 @@ def int8_gemm_saturates() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), None)
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
     except OSError:
         return False
     return flags is not None and not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags)
