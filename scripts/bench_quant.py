@@ -191,7 +191,8 @@ def _size(path: Path) -> int:
 def markdown(result: dict) -> str:
     names = list(result["engine_dirs"])
     lines = [f"# Target weight formats ({result['machine']})", "", f"Command: `{result['command']}`", "",
-             "The machine was shared with other jobs: read ratios within one table, not absolute times.", ""]
+             "The formats' sessions share one process, and their thread pools spin against each other: read "
+             "ratios within one table, not absolute times.", ""]
     lines += ["| format | engine dir MiB | target .data MiB |", "|---|---:|---:|"]
     for n in names:
         lines.append(f"| {n} | {result['size_mib'][n]['dir']:.0f} | {result['size_mib'][n]['target_data']:.0f} |")
