@@ -217,7 +217,8 @@ def test_int8_lm_head_becomes_weight_only_dequantize_matmul():
     """TensorRT imports neither DynamicQuantizeLinear nor MatMulInteger: the lowering rewrites the exporter's int8
     head to MatMul(h, DequantizeLinear(w_q, scale, axis=1)) on the same int8 weights."""
     from dspark_export.exporter.builder import GraphBuilder
-    from dspark_export.exporter.drafter import int8_lm_head, quantize_lm_head
+    from dspark_export.exporter.drafter import int8_lm_head
+    from dspark_export.exporter.quantize import quantize_rows_int8
 
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((50, 8)).astype(np.float32)
@@ -236,7 +237,7 @@ def test_int8_lm_head_becomes_weight_only_dequantize_matmul():
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # EXTENDED fuses DQ + MatMul to int8
     run = lambda m: ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(  # noqa: E731
         None, {"h": h})[0]
-    w_q, scale = quantize_lm_head(weight)
+    w_q, scale = quantize_rows_int8(weight)
     np.testing.assert_allclose(run(result.model), h @ (w_q.astype(np.float32) * scale), rtol=1e-5, atol=1e-5)
     exact = h @ weight.T
     assert np.abs(run(model) - exact).max() < 0.03 * np.abs(exact).max()   # the ORT form: activations quantized too

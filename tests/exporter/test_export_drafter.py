@@ -126,11 +126,12 @@ def test_int8_lm_head_tracks_fp32_and_is_batch_invariant(tiny_target):
     """The int8 head (per-row activation scales, per-vocabulary weight scales): base logits within a few per cent
     of the fp32 head's range, and a request's logits do not depend on which other requests share its batch."""
     from dspark_export.exporter.builder import GraphBuilder
-    from dspark_export.exporter.drafter import int8_lm_head, quantize_lm_head
+    from dspark_export.exporter.drafter import int8_lm_head
+    from dspark_export.exporter.quantize import quantize_rows_int8
 
     drafter = _drafter(tiny_target)
     weight = drafter.lm_head.weight.detach().numpy()
-    w_q, scale = quantize_lm_head(weight)
+    w_q, scale = quantize_rows_int8(weight)
     assert w_q.dtype == np.int8 and w_q.shape == weight.T.shape and np.abs(w_q).max() == 127
     np.testing.assert_allclose(w_q.T * scale[:, None], weight, atol=float(scale.max()) / 2 + 1e-7)
     b = GraphBuilder("head")

@@ -55,7 +55,7 @@ from ..plugins.markov_draft.schema import D2T_INITIALIZER
 from ..plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB as _OUTSIDE_DRAFT_VOCAB
 from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
                       save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
-from .quantize import MS_DOMAIN, quantize_matmuls_w8a8, quantize_rows_int8
+from .quantize import MS_DOMAIN, int8_row_scale, quantize_matmuls_w8a8, quantize_rows_int8
 
 __all__ = ["DrafterGraphSpec", "build_drafter_graphs", "export_drafter", "check_d2t", "draft_vocab_head",
            "draft_vocab_logits",
@@ -258,12 +258,6 @@ def quantize_drafter_layers(model: onnx.ModelProto, layer_weights: str, block_si
     return out
 
 
-def quantize_lm_head(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-row int8 weights of an LM head [V, H]: (w_q [H, V] int8, transposed for MatMulInteger;
-    scale [V] float32), `quantize.quantize_rows_int8`."""
-    return quantize_rows_int8(weight)
-
-
 def int8_lm_head(b: GraphBuilder, h: str, weight: np.ndarray) -> str:
     """Draft logits [n, V] float32 of rows h [n, H] through an int8 LM head (standard ONNX ops).
 
@@ -272,17 +266,16 @@ def int8_lm_head(b: GraphBuilder, h: str, weight: np.ndarray) -> str:
     ``acc = MatMulInteger(h_u8, w_q, 128)`` (int32, uint8 × int8: the VNNI path), logits =
     ``acc · (s_i + 0·Σh_i) · scale_v`` (the 0·Σh_i term keeps a row holding NaN or ±inf non-finite, as
     the fp32 head would, so the runtime's non-finite check still catches it); weights from
-    `quantize_lm_head`. Why: at R = 1..16 the drafter block is bound by reading the [V, H] head (113 MB
+    `quantize.quantize_rows_int8`. Why: at R = 1..16 the drafter block is bound by reading the [V, H] head (113 MB
     in fp32 for SmolLM2); int8 reads a quarter of it. On SmolLM2's shipped drafter the logits differ
     from the fp32 head's by at most 0.51 where they reach 15.7 in magnitude (profiler feeds, R = 8);
     losslessness is unaffected because verification uses these very logits as the draft distribution
     q. Every node is named ``.../lm_head_int8/...``; the TensorRT lowering replaces them by
     DequantizeLinear + MatMul (TensorRT has no MatMulInteger).
     """
-    w_q, scale = quantize_lm_head(weight)
+    w_q, scale = quantize_rows_int8(weight)
     name = "lm_head_int8"
-    peak = b.op("ReduceMax", [b.op("Abs", [h], name), b.const([-1])], name, keepdims=1)  # [n, 1]
-    row_scale = b.op("Div", [b.op("Max", [peak, b.const(1e-30, "float32")], name), b.const(127.0, "float32")], name)
+    row_scale = int8_row_scale(b, h, name)  # [n, 1]
     shifted = b.op("Add", [b.op("Round", [b.op("Div", [h, row_scale], name)], name), b.const(128.0, "float32")], name)
     h_u8 = b.op("Cast", [b.op("Clip", [shifted, b.const(0.0, "float32"), b.const(255.0, "float32")], name)], name,
                 to=onnx.TensorProto.UINT8)

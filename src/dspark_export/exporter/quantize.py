@@ -43,11 +43,11 @@ import numpy as np
 import onnx
 
 from ..errors import ConfigError
-from .builder import MS_DOMAIN
+from .builder import MS_DOMAIN, GraphBuilder, linear
 
 __all__ = ["WeightFormat", "WEIGHT_FORMATS", "DEFAULT_WEIGHTS", "KEY_CHUNK", "EXACT_MAX_KEYS", "aligned",
            "check_exact_context", "quantize_blocks", "dequantize_blocks", "matmul_nbits", "gather_block_quantized",
-           "quantize_rows_int8", "matmul_w8a8", "quantize_matmuls_w8a8", "int8_gemm_saturates", "project",
+           "quantize_rows_int8", "int8_row_scale", "matmul_w8a8", "quantize_matmuls_w8a8", "int8_gemm_saturates", "project",
            "share_quantized_embedding", "VIEW_DOC", "MS_DOMAIN"]
 
 
@@ -197,6 +197,13 @@ def quantize_rows_int8(weight_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return np.ascontiguousarray(w_q.T), scale
 
 
+def int8_row_scale(b, x: str, name: str) -> str:
+    """The per-row int8 activation scale ``s_i = max(max|x_i|, 1e-30) / 127`` of x [..., n, K] -> [..., n, 1]
+    (standard ONNX ops), shared by `matmul_w8a8` and the drafter's `int8_lm_head`."""
+    peak = b.op("ReduceMax", [b.op("Abs", [x], name), b.const([-1])], name, keepdims=1)
+    return b.op("Div", [b.op("Max", [peak, b.const(1e-30, "float32")], name), b.const(127.0, "float32")], name)
+
+
 def matmul_w8a8(b, x: str, weight_name: str, weight_out_in: np.ndarray, name: str,
                 bias: np.ndarray | None = None, bias_name: str | None = None, rows: str = "rows") -> str:
     """x @ Wᵀ (+ bias) for a PyTorch Linear weight W [out, in] in w8a8; x [..., n, in] -> [..., n, out].
@@ -215,8 +222,7 @@ def matmul_w8a8(b, x: str, weight_name: str, weight_out_in: np.ndarray, name: st
         b.weight(q_name, w_q)
         b.weight(s_name, scale)
     k = int(np.asarray(weight_out_in).shape[1])
-    peak = b.op("ReduceMax", [b.op("Abs", [x], name), b.const([-1])], name, keepdims=1)   # [..., n, 1]
-    row_scale = b.op("Div", [b.op("Max", [peak, b.const(1e-30, "float32")], name), b.const(127.0, "float32")], name)
+    row_scale = int8_row_scale(b, x, name)   # [..., n, 1]
     zp_key = f"w8a8_zero_point/{rows}"
     zero_point = b.shared.get(zp_key)
     if zero_point is None:
@@ -234,8 +240,6 @@ def quantize_matmuls_w8a8(model: onnx.ModelProto) -> onnx.ModelProto:
     in place; returns `model`. The replaced float weights are dropped once nothing reads them. Linears reading
     the same input share its zero point. Node names keep the MatMul's scope (``/{graph}_w8a8/{scope}/{op}``), so
     profiles still attribute them to their layer."""
-    from .builder import GraphBuilder
-
     inits = {t.name: t for t in model.graph.initializer}
     builders: dict[str, GraphBuilder] = {}
     nodes, replaced = [], set()
@@ -285,7 +289,10 @@ def int8_gemm_saturates() -> bool:
 
 def project(b, x: str, weight_name: str, weight_out_in: np.ndarray, fmt: WeightFormat, name: str,
             bias: np.ndarray | None = None, bias_name: str | None = None, rows: str = "rows") -> str:
-    """x @ Wᵀ (+ bias) in a quantized format: `matmul_w8a8` for w8a8 (`rows`: see there), else `matmul_nbits`."""
+    """x @ Wᵀ (+ bias) in `fmt`: `matmul_w8a8` for w8a8 (`rows`: see there), `matmul_nbits` for int4 / int8,
+    `builder.linear` (a float MatMul) for fp32."""
+    if not fmt.quantized:
+        return linear(b, x, weight_name, weight_out_in, name, bias, bias_name)
     if fmt.per_row_activations:
         return matmul_w8a8(b, x, weight_name, weight_out_in, name, bias, bias_name, rows)
     return matmul_nbits(b, x, weight_name, weight_out_in, fmt, name, bias, bias_name)
@@ -329,8 +336,6 @@ def share_quantized_embedding(model: onnx.ModelProto, table_name: str, table: np
     quantized target no longer holds the float table there. The drafter then embeds its block tokens from
     the quantized table (its drafts change by the quantization step; verification is unaffected).
     """
-    from .builder import GraphBuilder
-
     gathers = [n for n in model.graph.node if n.op_type == "Gather" and n.domain in ("", "ai.onnx")
                and n.input[0] == table_name]
     if not gathers or not fmt.quantized:

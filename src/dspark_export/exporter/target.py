@@ -237,13 +237,6 @@ def _to_output(b: GraphBuilder, op_type: str, inputs: list[str], output: str, di
     return output
 
 
-def _project(b, x: str, fmt: WeightFormat, weight_name: str, weight: np.ndarray, name: str,
-             bias: np.ndarray | None = None, bias_name: str | None = None) -> str:
-    if fmt.quantized:
-        return project(b, x, weight_name, weight, fmt, name, bias, bias_name)
-    return linear(b, x, weight_name, weight, name, bias, bias_name)
-
-
 def _attention_context(b: GraphBuilder, spec: TargetGraphSpec, exact: bool = False) -> dict:
     """Masks, shapes and indices every layer's attention shares (computed once per pass); with `exact`, also
     the canonical key layout of `_exact_attention`."""
@@ -415,7 +408,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         bias = np.concatenate(biases) if all(x_ is not None for x_ in biases) else None
         if bias is None and any(x_ is not None for x_ in biases):
             raise ExportError(f"{a}: expected a bias on all of q/k/v_proj or none")
-        qkv = _project(b, x, fmt, f"{a}.qkv_proj.weight", w_qkv, f"{name}/attn/qkv_proj", bias, f"{a}.qkv_proj.bias")
+        qkv = project(b, x, f"{a}.qkv_proj.weight", w_qkv, fmt, f"{name}/attn/qkv_proj", bias, f"{a}.qkv_proj.bias")
         q, k, v = b.op("Split", [qkv, b.const([nh * d, nkv * d, nkv * d])], f"{name}/attn/qkv_split",
                        num_outputs=3, axis=-1)
         if f"{a}.q_norm.weight" in sd:
@@ -427,18 +420,18 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         _to_output(b, "Reshape", [v, b.const([-1, nkv, d])], f"new_value.{i}", ["N", nkv, d], f"{name}/new_value")
         attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn")
         o_key = f"{a}.o_proj"
-        attn = _project(b, attn, fmt, f"{o_key}.weight", sd[f"{o_key}.weight"], f"{name}/attn/o_proj",
+        attn = project(b, attn, f"{o_key}.weight", sd[f"{o_key}.weight"], fmt, f"{name}/attn/o_proj",
                         sd.get(f"{o_key}.bias"), f"{o_key}.bias")
         w_post = b.weight(f"{p}.post_attention_layernorm.weight", sd[f"{p}.post_attention_layernorm.weight"])
         x, h = skip_rms_norm(b, h, attn, w_post, eps, f"{name}/post_attention_layernorm")
         m = f"{p}.mlp"
         inter = sd[f"{m}.gate_proj.weight"].shape[0]
         w_gu = np.concatenate([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]], axis=0)
-        gu = _project(b, x, fmt, f"{m}.gate_up_proj.weight", w_gu, f"{name}/mlp/gate_up_proj")
+        gu = project(b, x, f"{m}.gate_up_proj.weight", w_gu, fmt, f"{name}/mlp/gate_up_proj")
         gate, up = b.op("Split", [gu, b.const([inter, inter])], f"{name}/mlp/split", num_outputs=2, axis=-1)
         act = b.op("QuickGelu", [gate], f"{name}/mlp/act", domain=MS_DOMAIN, alpha=1.0)
-        delta = _project(b, b.op("Mul", [act, up], f"{name}/mlp"), fmt, f"{m}.down_proj.weight",
-                         sd[f"{m}.down_proj.weight"], f"{name}/mlp/down_proj")
+        delta = project(b, b.op("Mul", [act, up], f"{name}/mlp"), f"{m}.down_proj.weight",
+                        sd[f"{m}.down_proj.weight"], fmt, f"{name}/mlp/down_proj")
     rows = lambda t: b.op("Gather", [t, "logit_rows"], "logit_rows", axis=1)  # noqa: E731  [1,M,H]
     w_norm = b.weight("model.norm.weight", sd["model.norm.weight"])
     normed, _ = skip_rms_norm(b, rows(h), rows(delta), w_norm, eps, "norm")
