@@ -34,6 +34,8 @@ Usage:
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark-fullv --draft-vocab full --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name v2 --block-size 5 --layers 2 --markov-rank 32 \
         --init-from src/dspark_export/assets/drafters/smollm2-135m-instruct   # warm start from the shipped drafter
+    python scripts/train_drafter.py train --run runs/smollm2 --name deep --block-size 5 --layers 3 --markov-rank 32 \
+        --init-from src/dspark_export/assets/drafters/smollm2-135m-instruct   # grow the shipped drafter by a layer
     python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name dflash --variant dflash --steps 2300 \
         --lr-from runs/smollm2/dspark/metrics.jsonl      # same lr path as a resumed DSpark run
@@ -429,7 +431,7 @@ def parse_args(argv=None):
     p = sub.add_parser("train", parents=[common])
     p.add_argument("--name", default="dspark")
     p.add_argument("--variant", default="dspark", choices=["dspark", "dflash"])
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
     p.add_argument("--markov-rank", type=int, default=64)
     p.add_argument("--block-size", type=int, default=7,
                    help="γ, draft tokens per block (the drafter block runs γ rows: its cost grows with it)")
@@ -458,7 +460,8 @@ def parse_args(argv=None):
                         "often as weight 1, e.g. code=2.5 (default: every record alike)")
     p.add_argument("--init-from", metavar="DRAFTER_DIR",
                    help="start the run from a trained drafter of the same architecture (e.g. the shipped one; "
-                        "γ may differ) instead of a random init")
+                        "γ may differ; --layers may exceed its depth: the new layers start as no-ops) instead of a "
+                        "random init")
     p.add_argument("--lr-from", metavar="METRICS_JSONL",
                    help="follow another run's learning rate step by step (its metrics.jsonl), instead of "
                         "warmup + cosine: an ablation at an equal budget")

@@ -172,3 +172,43 @@ def test_warm_start_from_another_architecture_is_refused_by_name(train_target, f
         train_drafter(train_target, feature_cache, dataclasses.replace(
             _cfg(tmp_path / "warm", 2, init_from=str(tmp_path / "base-drafter")), markov_rank=4))
     assert not (tmp_path / "warm" / "training_state.pt").exists()
+
+
+def test_a_warm_start_may_grow_the_stack_and_drafts_as_its_checkpoint_at_step_0(train_target, feature_cache,
+                                                                                tmp_path):
+    from dspark_export.modeling.checkpoint import save_drafter
+
+    base = train_drafter(train_target, feature_cache, _cfg(tmp_path / "base", 2))  # one layer
+    save_drafter(base, tmp_path / "base-drafter")
+    grown = train_drafter(train_target, feature_cache, dataclasses.replace(
+        _cfg(tmp_path / "grown", 2, init_from=str(tmp_path / "base-drafter")), num_draft_layers=3), time_budget_s=0)
+    assert grown.config.num_hidden_layers == 3
+    sd = grown.state_dict()
+    for layer in (1, 2):  # the new layers: a copy of the last one, residual outputs zeroed
+        assert not sd[f"layers.{layer}.self_attn.o_proj.weight"].any() and not sd[f"layers.{layer}.mlp.down_proj.weight"].any()
+        torch.testing.assert_close(sd[f"layers.{layer}.self_attn.q_proj.weight"], base.state_dict()["layers.0.self_attn.q_proj.weight"])
+    torch.manual_seed(0)
+    T, R = 12, 2
+    aux = torch.randn(T, base.config.feature_size)
+    with torch.no_grad():
+        outs = []
+        for model in (base.eval(), grown.eval()):
+            kv = [(k.reshape(1, *k.shape).transpose(1, 2).expand(R, -1, -1, -1),
+                   v.reshape(1, *v.shape).transpose(1, 2).expand(R, -1, -1, -1))
+                  for k, v in model.context_kv(aux, torch.arange(T))]
+            outs.append(model.forward_block(torch.tensor([5, 9]), torch.tensor([T, 7]), kv, torch.tensor([T, 7])))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    # ... and training moves the new layers off zero
+    trained = train_drafter(train_target, feature_cache, dataclasses.replace(
+        _cfg(tmp_path / "grown", 2, init_from=str(tmp_path / "base-drafter")), num_draft_layers=3))
+    assert trained.state_dict()["layers.2.mlp.down_proj.weight"].abs().sum() > 0
+
+
+def test_a_warm_start_never_drops_layers(train_target, feature_cache, tmp_path):
+    from dspark_export.modeling.checkpoint import save_drafter
+
+    base = train_drafter(train_target, feature_cache, dataclasses.replace(_cfg(tmp_path / "base", 2), num_draft_layers=2))
+    save_drafter(base, tmp_path / "base-drafter")
+    with pytest.raises(ConfigError, match=r"num_hidden_layers \(checkpoint 2, run 1\); a warm start may add layers"):
+        train_drafter(train_target, feature_cache, _cfg(tmp_path / "warm", 2, init_from=str(tmp_path / "base-drafter")))

@@ -157,33 +157,53 @@ def lr_path_from_metrics(path: str | Path) -> Callable[[int], float]:
 
 
 #: Drafter config fields a warm start may change: none of them shapes a trained tensor (the block runs γ rows of
-#: the same weights; anchors are a training-batch size).
+#: the same weights; anchors are a training-batch size). `num_hidden_layers` may also grow (`_warm_start`).
 _WARM_START_FREE = {"block_size", "num_anchors", "is_trained"}
 
 
 def _warm_start(drafter: DSparkDrafter, target, folder: Path) -> None:
     """Copy a trained drafter's tensors (e.g. the shipped one, fp16 on disk) into ``drafter``, whose config
-    must equal the checkpoint's up to `_WARM_START_FREE`; the shared embedding and head stay the target's.
+    must equal the checkpoint's up to `_WARM_START_FREE` and a deeper stack; the shared embedding and head stay
+    the target's.
+
+    Depth growth: when ``drafter`` has more decoder layers than the checkpoint, each new layer (appended after
+    the checkpoint's last) starts as a copy of that last layer with its residual outputs (``o_proj``,
+    ``down_proj``) zeroed, so the grown drafter drafts exactly as the checkpoint does at step 0 and training
+    only adds to it (function-preserving growth, Net2Net's idea for depth). Its context K/V projections are
+    the copied layer's, so its attention starts from a trained pattern.
 
     Raises:
-        ConfigError: the checkpoint's architecture differs (the fields named, both values).
+        ConfigError: the checkpoint's architecture differs (the fields named, both values), or it is deeper
+            than this run's drafter.
         CheckpointError: the folder is not a loadable drafter (`load_drafter`'s errors).
     """
     from ..modeling.checkpoint import load_drafter
 
     source = load_drafter(folder, target)
+    have, want = source.config.num_hidden_layers, drafter.config.num_hidden_layers
     differ = [(f.name, getattr(source.config, f.name), getattr(drafter.config, f.name))
               for f in dataclasses.fields(drafter.config)
-              if f.compare and f.name not in _WARM_START_FREE
+              if f.compare and f.name not in _WARM_START_FREE | {"num_hidden_layers"}
               and getattr(source.config, f.name) != getattr(drafter.config, f.name)]
+    if want < have:
+        differ.append(("num_hidden_layers", have, want))
     if differ:
         raise ConfigError(f"--init-from {folder}: the checkpoint's architecture differs from this run's in "
-                          + ", ".join(f"{k} (checkpoint {a!r}, run {b!r})" for k, a, b in differ))
+                          + ", ".join(f"{k} (checkpoint {a!r}, run {b!r})" for k, a, b in differ)
+                          + ("; a warm start may add layers, not remove them" if want < have else ""))
     with torch.no_grad():
         shared = {n for n, p in drafter.named_parameters() if not p.requires_grad}
+        mine = drafter.state_dict()
         for name, tensor in source.state_dict().items():
             if name not in shared:
-                drafter.state_dict()[name].copy_(tensor)
+                mine[name].copy_(tensor)
+        last = f"layers.{have - 1}."
+        for layer in range(have, want):
+            for name, tensor in source.state_dict().items():
+                if name.startswith(last):
+                    grown = f"layers.{layer}." + name[len(last):]
+                    residual_out = (".self_attn.o_proj." in grown) or (".mlp.down_proj." in grown)
+                    mine[grown].copy_(torch.zeros_like(tensor) if residual_out else tensor)
 
 
 def _pick_probabilities(cfg: TrainConfig, domains: list[str] | None, num_records: int,
