@@ -197,13 +197,11 @@ def _warm_start(drafter: DSparkDrafter, target, folder: Path) -> None:
         for name, tensor in source.state_dict().items():
             if name not in shared:
                 mine[name].copy_(tensor)
-        last = f"layers.{have - 1}."
-        for layer in range(have, want):
-            for name, tensor in source.state_dict().items():
-                if name.startswith(last):
-                    grown = f"layers.{layer}." + name[len(last):]
-                    residual_out = (".self_attn.o_proj." in grown) or (".mlp.down_proj." in grown)
-                    mine[grown].copy_(torch.zeros_like(tensor) if residual_out else tensor)
+        for layer in drafter.layers[have:]:
+            layer.load_state_dict(source.layers[-1].state_dict())
+            for residual_out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                for param in residual_out.parameters():
+                    param.zero_()
 
 
 def _pick_probabilities(cfg: TrainConfig, domains: list[str] | None, num_records: int,
