@@ -236,6 +236,32 @@ def _domain_weights(text: str | None) -> dict | None:
     return out
 
 
+def _loss_weights(text: str | None):
+    """--loss-weights "ce=1,l1=0.9" -> LossWeights(ce=1.0, l1=0.9, ...); terms not named keep DeepSpec's defaults.
+    Checked before anything loads or is written."""
+    from dspark_export.errors import ConfigError
+    from dspark_export.training.objective import LossWeights
+
+    if not text:
+        return LossWeights()
+    names = ("ce", "l1", "bce", "decay")
+    out = {}
+    for part in text.split(","):
+        name, eq, value = (x.strip() for x in part.partition("="))
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = None
+        if not eq or weight is None or name not in names or name in out:
+            raise DsparkExportError(f"--loss-weights: expected TERM=WEIGHT[,TERM=WEIGHT...] with each of "
+                                    f"{', '.join(names)} at most once, found {part!r} in {text!r}")
+        out[name] = weight
+    try:
+        return LossWeights(**out)
+    except ConfigError as e:
+        raise DsparkExportError(f"--loss-weights {text!r}: {e}") from None
+
+
 def cmd_train(args, say):
     from dspark_export.modeling.checkpoint import save_drafter
     from dspark_export.training.draft_vocab import DRAFT_VOCAB_FILE
@@ -244,6 +270,7 @@ def cmd_train(args, say):
     from dspark_export.training.trainer import TrainConfig, lr_path_from_metrics, train_drafter
 
     domain_weights = _domain_weights(args.domain_weights)   # bad input refused before anything loads
+    loss_weights = _loss_weights(args.loss_weights)
     _, target = _target(args)
     out = Path(args.run) / args.name
     size, d2t = _train_d2t(args, target, out, say)
@@ -252,7 +279,7 @@ def cmd_train(args, say):
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
                       seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size, bf16=args.bf16,
                       block_size=args.block_size, init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
-                      domain_weights=domain_weights)
+                      domain_weights=domain_weights, loss=loss_weights)
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     eval_dir = Path(args.run) / "features" / "calibration"
@@ -458,6 +485,10 @@ def parse_args(argv=None):
     p.add_argument("--domain-weights", metavar="DOMAIN=W,...",
                    help="draw records of a domain (math, code, chat: training.selfdata.record_domain) W times as "
                         "often as weight 1, e.g. code=2.5 (default: every record alike)")
+    p.add_argument("--loss-weights", metavar="TERM=W,...",
+                   help="the objective's weights, e.g. ce=1,l1=0.9 (terms ce, l1, bce and the position decay; "
+                        "default DeepSpec's ce=0.1,l1=0.9,bce=1,decay=4). A higher ce leans the drafter toward the "
+                        "target's argmax, what greedy (T = 0) acceptance counts")
     p.add_argument("--init-from", metavar="DRAFTER_DIR",
                    help="start the run from a trained drafter of the same architecture (e.g. the shipped one; "
                         "γ may differ; --layers may exceed its depth: the new layers start as no-ops) instead of a "

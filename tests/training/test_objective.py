@@ -73,6 +73,22 @@ def test_dflash_loss_has_no_confidence_term(train_target, feature_cache):
     assert "bce" not in m and m["loss"] == pytest.approx(0.1 * m["ce"] + 0.9 * m["l1"], rel=1e-5)
 
 
+def test_loss_weights_weigh_the_terms_and_refuse_bad_values(train_target, feature_cache):
+    """A CE-heavy objective (`train --loss-weights ce=1`) is the same terms weighed differently; weights that
+    cannot train are refused by name."""
+    from dspark_export.errors import ConfigError
+
+    cfg = DrafterConfig.from_target(train_target.config, block_size=4, markov_rank=8)
+    drafter = init_drafter(train_target, cfg)
+    batch = make_batch([feature_cache[0]], 4, 4, np.random.default_rng(0))
+    _, m = dspark_loss(drafter, batch, LossWeights(ce=1.0, l1=0.5, bce=0.0), bf16=False)
+    assert m["loss"] == pytest.approx(1.0 * m["ce"] + 0.5 * m["l1"], rel=1e-5)
+    for bad, field in [(dict(ce=-1.0), "ce"), (dict(l1=float("nan")), "l1"), (dict(decay=0.0), "decay"),
+                       (dict(ce=0.0, l1=0.0), "both 0"), (dict(bce=True), "bce")]:
+        with pytest.raises(ConfigError, match=f"LossWeights.*{field}"):
+            LossWeights(**bad)
+
+
 @pytest.mark.parametrize("markov_rank", [8, 0])
 @pytest.mark.parametrize("chunk", [3, 64])
 def test_fused_vocab_loss_equals_the_direct_form(train_target, feature_cache, markov_rank, chunk):

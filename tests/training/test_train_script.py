@@ -80,6 +80,16 @@ def test_train_script_stages(tiny_target_dir, tmp_path):
     assert main(["train", *run, "--name", "dx", "--domain-weights", "cdoe=3", "--steps", "1"]) == 2
     assert main(["train", *run, "--name", "dy", "--domain-weights", "code", "--steps", "1"]) == 2
     assert not (tmp_path / "run" / "dx").exists() and not (tmp_path / "run" / "dy").exists()   # refused up front
+    # the objective's weights: saved with the run's config, so a resume with other weights is refused
+    tiny = ["--steps", "1", "--seqs-per-step", "1", "--anchors-per-seq", "4", "--markov-rank", "8"]
+    assert main(["train", *run, "--name", "lw", "--loss-weights", "ce=1,l1=0.5", *tiny]) == 0
+    import torch
+
+    saved = torch.load(tmp_path / "run" / "lw" / "training_state.pt", weights_only=True)["config"]["loss"]
+    assert saved == {"ce": 1.0, "l1": 0.5, "bce": 1.0, "decay": 4.0}
+    assert main(["train", *run, "--name", "lw", "--loss-weights", "ce=2", *tiny[:1], "2", *tiny[2:]]) == 2
+    assert main(["train", *run, "--name", "lx", "--loss-weights", "ce=1,cee=2", *tiny]) == 2
+    assert not (tmp_path / "run" / "lx").exists()
     # an interrupted run says so and leaves no drafter folder
     assert main(["train", *run, "--name", "e", "--steps", "50", "--seqs-per-step", "1", "--anchors-per-seq", "4",
                  "--markov-rank", "8", "--time-budget", "0"]) == 0
@@ -120,3 +130,15 @@ def test_domain_weights_flag_is_checked_by_name(text, message):
     with pytest.raises(DsparkExportError, match=f"--domain-weights: .*{message}"):
         _script()._domain_weights(text)
     assert _script()._domain_weights(" code = 2.5 ,chat=1") == {"code": 2.5, "chat": 1.0}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ce=1,ce=2", "at most once"), ("CE=1", "at most once, found 'CE=1'"), ("ce=", "TERM=WEIGHT"),
+    ("ce=-1", "LossWeights.ce"), ("decay=0", "LossWeights.decay"), ("ce=0,l1=0", "both 0")])
+def test_loss_weights_flag_is_checked_by_name(text, message):
+    from dspark_export.errors import DsparkExportError
+
+    with pytest.raises(DsparkExportError, match=f"--loss-weights.*{message}"):
+        _script()._loss_weights(text)
+    assert _script()._loss_weights(" ce = 1 ,l1=0.5").ce == 1.0
+    assert _script()._loss_weights(None).ce == 0.1

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from ..modeling.drafter import DSparkDrafter
 from ..modeling.layers import apply_rope
 from .features import Sequence_
@@ -69,10 +70,23 @@ __all__ = ["LossWeights", "TrainBatch", "make_batch", "sample_anchors", "block_f
 
 @dataclass(frozen=True)
 class LossWeights:
+    """The objective's term weights (DeepSpec's defaults) and the position decay. Raising `ce` leans the
+    drafter toward the target's argmax (greedy acceptance); `l1` matches whole distributions (T = 1)."""
+
     ce: float = 0.1
     l1: float = 0.9
     bce: float = 1.0
     decay: float = 4.0  #: position weight exp(-k / decay)
+
+    def __post_init__(self):
+        for name in ("ce", "l1", "bce", "decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"LossWeights.{name}: expected a finite number >= 0, found {value!r}")
+        if self.decay <= 0:
+            raise ConfigError(f"LossWeights.decay: expected > 0, found {self.decay!r}")
+        if self.ce == 0 and self.l1 == 0:
+            raise ConfigError("LossWeights: ce and l1 are both 0; the drafter's logits would get no gradient")
 
 
 @dataclass
