@@ -488,7 +488,8 @@ def parse_args(argv=None):
     p.add_argument("--loss-weights", metavar="TERM=W,...",
                    help="the objective's weights, e.g. ce=1,l1=0.9 (terms ce, l1, bce and the position decay; "
                         "default DeepSpec's ce=0.1,l1=0.9,bce=1,decay=4). A higher ce leans the drafter toward the "
-                        "target's argmax, what greedy (T = 0) acceptance counts")
+                        "target's argmax, what greedy (T = 0) acceptance counts; ce=1 raised τ but calibrated "
+                        "worse and drafted slower at one user (reports/drafter/v9-ce)")
     p.add_argument("--init-from", metavar="DRAFTER_DIR",
                    help="start the run from a trained drafter of the same architecture (e.g. the shipped one; "
                         "γ may differ; --layers may exceed its depth: the new layers start as no-ops) instead of a "
