@@ -84,8 +84,8 @@ def test_oracle_drafts_exercise_acceptance(runtime, monkeypatch):
     original = EngineStages.draft
     calls = {"n": 0}
 
-    def oracle(self, active, flushed):
-        out = original(self, active, flushed)
+    def oracle(self, active, flushed, every=True):
+        out = original(self, active, flushed, every)
         ids = out["draft_ids"].copy()
         for s in active:
             future = ar[tuple(s.prompt.tolist())][len(s.result.token_ids):]

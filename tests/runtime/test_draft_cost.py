@@ -69,7 +69,7 @@ def _solo(rt, prompt, n):
 def _record_drafts(gen) -> list[int]:
     """Wrap `gen.stages.draft`: the returned list gets the request count of every drafter block call."""
     calls, real = [], gen.stages.draft
-    gen.stages.draft = lambda active, flushed: calls.append(len(active)) or real(active, flushed)
+    gen.stages.draft = lambda active, flushed, every=True: calls.append(len(active)) or real(active, flushed, every)
     return calls
 
 
@@ -309,8 +309,8 @@ def test_the_calibration_bias_reaches_the_policy(runtime):  # noqa: F811
     def recording(gen, tag):
         real = gen.stages.draft
 
-        def draft(active, flushed):
-            out = real(active, flushed)
+        def draft(active, flushed, every=True):
+            out = real(active, flushed, every)
             seen.setdefault(tag, []).append(np.array(out["confidence"][[s.slot for s in active]], np.float64))
             return out
         gen.stages.draft = draft
@@ -419,9 +419,9 @@ def test_probe_floor_uses_the_drafter_blocks_own_time(runtime):  # noqa: F811
     assert gen.controller.probe_floor(1, 1) == 32                                  # 2 × 20 ms × 40 steps/s / 0.05
     real = gen.stages.draft
 
-    def slow(active, flushed):
+    def slow(active, flushed, every=True):
         time.sleep(0.2)
-        return real(active, flushed)
+        return real(active, flushed, every)
 
     gen.stages.draft = slow
     result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=4)])[0]
@@ -429,3 +429,51 @@ def test_probe_floor_uses_the_drafter_blocks_own_time(runtime):  # noqa: F811
     assert gen.controller.draft_wall[1] >= 0.2
     assert gen.controller.probe_floor(1, 1) >= 320                                 # 2 × 200 ms × 40 / 0.05
     assert gen.controller.probe_floor(16, 16) == 58                                # no measurement at S = 16 yet
+
+
+def test_a_probe_drafts_for_the_least_recently_drafted_few(runtime, every_probe):  # noqa: F811
+    """Three requests decoding together (the tiny engines hold 3 in 4 slots), a drafter that does not pay: each
+    probe step drafts for `probe_width` = 2 of them, the two drafted longest ago, in a block of their rows
+    alone (not over every slot). Greedy output stays each request's solo output."""
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
+    calls, real = [], gen.stages.draft
+
+    def draft(active, flushed, every=True):
+        calls.append((sorted(s.index for s in active), every, len([s for s in gen.batch.slots if s and s.decoding])))
+        return real(active, flushed, every)
+    gen.stages.draft = draft
+    ids = [gen.submit(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS[:4]]
+    while gen.has_work():
+        gen.step()
+    probes = [(who, every) for who, every, decoding in calls if decoding == 3]
+    assert len(probes) >= 4 and all(len(who) == 2 and not every for who, every in probes), calls
+    assert all(a != b for (a, _), (b, _) in zip(probes, probes[1:])), probes      # turns: never the same two twice
+    assert {i for who, _ in probes for i in who} == set(ids[:3])
+    assert gen.drafts_skipped > len(calls)
+    for rid, prompt in zip(ids, PROMPTS[:4]):
+        assert gen.result(rid).token_ids == _solo(runtime, prompt, 40)
+
+
+def test_a_block_over_a_few_rows_drafts_as_the_block_over_every_slot(runtime):  # noqa: F811
+    """`EngineStages.draft(every=False)` copies the drafted slots' drafter cache rows into a smaller block; its
+    drafts and confidences for those requests match the block over every slot, and other slots get none."""
+    gen = Generator(runtime.engines, parse_policy("fixed:2"))
+    ids = [gen.submit(p, SamplingParams(max_new_tokens=30)) for p in PROMPTS[:4]]
+    for _ in range(6):
+        gen.step()
+    decoding = [s for s in gen.batch.slots if s is not None and s.decoding]
+    assert len(decoding) == 3 and gen.num_slots == 4
+    few = decoding[1:]
+    full = gen.stages.draft(few, {}, every=True)
+    part = gen.stages.draft(few, {}, every=False)
+    slots = [s.slot for s in few]
+    np.testing.assert_array_equal(part["draft_ids"][slots], full["draft_ids"][slots])
+    np.testing.assert_allclose(part["confidence"][slots], full["confidence"][slots], atol=1e-5)
+    np.testing.assert_allclose(part["draft_logits"][slots], full["draft_logits"][slots], atol=1e-4)
+    others = [s.slot for s in decoding if s not in few]
+    assert not part["confidence"][others].any() and not part["draft_ids"][others].any()
+    assert part["draft_logits"].shape == full["draft_logits"].shape
+    while gen.has_work():
+        gen.step()
+    assert [gen.result(r).token_ids for r in ids] == [_solo(runtime, p, 30) for p in PROMPTS[:4]]

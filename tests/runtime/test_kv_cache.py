@@ -106,3 +106,23 @@ def test_shrink_with_no_slots_returns_to_the_initial_capacity():
     cache.reserve(1000)
     assert cache.capacity == 1024
     assert cache.shrink() and cache.capacity == 256 and cache.keys[0].shape == (0, 1, 256, 1)
+
+
+def test_gather_copies_chosen_slots_and_pads_with_empty_rows():
+    """A drafter block over a few slots: rows in the order asked, entries past `lens` included (a step's
+    flushed rows), padding rows zero, P chunk-aligned and within the buffer."""
+    cache = KVCache(2, 4, 2, 3, max_capacity=4096, initial_capacity=4)
+    k, v = _rows(7)
+    cache.append(np.array([3, 3, 1, 1, 1, 0, 3]), k, v)
+    extra_k, extra_v = _rows(2, offset=1000.0)
+    cache.write(np.array([1, 1]), extra_k, extra_v)            # past lens[1] = 3, not yet valid
+    feed = cache.gather("key", "value", [1, 3], rows=4, entries=5)
+    assert set(feed) == {"key.0", "key.1", "value.0", "value.1"}
+    assert feed["key.0"].shape == (4, 2, aligned(5), 3) and feed["key.0"].flags.c_contiguous
+    for layer in range(2):
+        np.testing.assert_array_equal(feed[f"key.{layer}"][0, :, :5], cache.keys[layer][1, :, :5])
+        np.testing.assert_array_equal(feed[f"value.{layer}"][1, :, :3], cache.values[layer][3, :, :3])
+        np.testing.assert_array_equal(feed[f"key.{layer}"][0, :, 3:5], extra_k[layer].transpose(1, 0, 2))
+        assert not feed[f"key.{layer}"][2:].any() and not feed[f"value.{layer}"][2:].any()
+    feed["key.0"][0] = -1.0                                       # a copy: the cache is untouched
+    assert cache.keys[0][1].min() >= 0

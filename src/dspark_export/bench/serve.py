@@ -20,7 +20,7 @@ Measurements (wall clock, `time.perf_counter`):
   row is not counted), `acceptance_length` τ = Σ committed_in_rounds / Σ rounds (bonus included),
   both over all requests of the run.
 - `drafter_steps_skipped`: steps whose drafter block was skipped: by `dspark-async` because the capacity
-  K* from earlier confidences was 0 under the drafter cost (`SkipController.should_draft`), by both it and
+  K* from earlier confidences was 0 under the drafter cost (`SkipController.draft_count`), by both it and
   `dspark` where not even drafts that all survive would pay (`DraftController.can_pay`).
 - `scheduler_ms`: time inside `Policy.verify_lengths` per step, measured by a timing subclass of
   the policy handed to the generator (the runtime is not modified); 0 for `ar`, which never calls it.

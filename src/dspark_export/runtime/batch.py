@@ -45,6 +45,7 @@ class RequestState:
     # drafter-context backlog: tapped features [n, F] float32 and positions [n] int64 of committed rows
     # not yet run through `drafter_context` (draft_kv.lens + backlog_rows == target_kv.lens)
     backlog: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    drafted_at: int = 0       # the generator's draft clock when a step last drafted for it (0: never)
 
     @property
     def backlog_rows(self) -> int:

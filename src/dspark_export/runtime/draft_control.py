@@ -1,12 +1,12 @@
-"""When the drafter runs, and the lagged confidences the policies read; a policy makes its own controller
-(`Policy.draft_controller`).
+"""When the drafter runs, for which requests, and the lagged confidences the policies read; a policy makes its
+own controller (`Policy.draft_controller`).
 
-`DraftController` (every policy): a policy that drafts drafts every step, except that dspark skips a step
-where not even drafts that all survive would beat not drafting. `SkipController` (dspark-async
-with a known drafter cost): skips the drafter block on steps where drafting does not pay and probes it
-now and then for fresh confidences. Both keep the confidences of the last two drafted steps, which
-dspark-async's lagged capacity reads (paper §5.2). Dimension letters: R decoding requests, S slots (the
-drafter block runs over every slot), γ draft block size.
+`DraftController` (every policy): a policy that drafts drafts for every request every step, except that dspark
+skips a step where not even drafts that all survive would beat not drafting. `SkipController` (dspark-async
+with a known drafter cost): skips the drafter block on steps where drafting does not pay and probes it now and
+then, for a few requests only, for fresh confidences. Both keep the confidences of the last two drafted steps,
+which dspark-async's lagged capacity reads (paper §5.2). Dimension letters: R decoding requests, S slots (a
+drafter block for every request runs over every slot), γ draft block size.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ __all__ = ["DraftController", "SkipController"]
 _MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps between drafter probes
 _SURVIVAL_EMA = 0.25   # dspark-async skip decision: least weight of the newest drafted step in the mean
 _PROBE_STEPS = 2       # dspark-async: drafted steps per probe (the mean restarts from them)
+_PROBE_REQUESTS = 2    # dspark-async: requests a probe step drafts for (the least recently drafted)
 _SKIP_MARGIN = 0.2     # dspark-async: draft only when the expected throughput gain is at least this fraction
 _PROBE_OVERHEAD = 0.05  # dspark-async: probes' drafter time, at most this fraction of the skipped steps' time
 _FLOOR_CAP = 10**6     # the most skipped steps `probe_floor` asks for
@@ -46,15 +47,17 @@ class DraftController:
         self.profile, self.block_size, self.margin = profile, block_size, margin
         self.history: list[np.ndarray] = []  # confidences [R, γ] of the last two drafted steps
         self.drafts_skipped = 0  # steps whose drafter block was skipped, for benchmarks
-        self.draft_wall: dict[int, float] = {}  # slots S -> running mean of the drafter block's wall time, s
+        self.draft_wall: dict[int, float] = {}  # block rows -> running mean of the drafter block's wall time, s
 
-    def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
-        """Whether this step runs the drafter block for `num_requests` decoding requests in `num_slots` slots
-        (`step_profile`: the profile bound to the step's layout, or None)."""
+    def draft_count(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> int:
+        """How many of the R = `num_requests` decoding requests (in `num_slots` slots) this step drafts for: 0 (the
+        drafter block does not run), R (the block over every slot), or fewer (a probe: the generator drafts for
+        the least recently drafted ones, over a block of that many rows). `step_profile`: the profile bound to
+        the step's layout, or None. This class answers R or 0."""
         if self.drafts and not self.can_pay(num_requests, num_slots, self.pricing(step_profile)):
             self.drafts_skipped += 1
-            return False
-        return self.drafts
+            return 0
+        return num_requests if self.drafts else 0
 
     def pricing(self, step_profile: ThroughputProfile | None) -> ThroughputProfile | None:
         """The profile `can_pay` prices with: SPS(B), as dspark's Algorithm 1 prices."""
@@ -82,11 +85,12 @@ class DraftController:
         """Record the confidences [R, γ] the policy saw in a committed drafted step."""
         self.history = (self.history + [confidence])[-2:]
 
-    def observe_draft_time(self, num_slots: int, seconds: float) -> None:
-        """Fold one drafter block's wall time at S slots into its running mean (weight _SURVIVAL_EMA for the
-        newest), for `SkipController.probe_floor`."""
-        old = self.draft_wall.get(num_slots)
-        self.draft_wall[num_slots] = seconds if old is None else (1 - _SURVIVAL_EMA) * old + _SURVIVAL_EMA * seconds
+    def observe_draft_time(self, rows: int, seconds: float) -> None:
+        """Fold one drafter block's wall time over `rows` rows (S for a block over every slot, the requests
+        drafted for a probe's) into its running mean (weight _SURVIVAL_EMA for the newest), for
+        `SkipController.probe_floor`."""
+        old = self.draft_wall.get(rows)
+        self.draft_wall[rows] = seconds if old is None else (1 - _SURVIVAL_EMA) * old + _SURVIVAL_EMA * seconds
 
     def reset(self) -> None:
         """Forget the lagged confidences (their rows no longer line up with the requests after a resize)."""
@@ -99,8 +103,8 @@ class SkipController(DraftController):
     A step skips the drafter when the capacity K* for the current R requests, each given the running
     mean survival of earlier drafted steps (averaged over their requests; `scheduler.mean_survival_capacity`),
     is 0, or its expected throughput beats not drafting by less than _SKIP_MARGIN (20 %). The drafter
-    block is priced at d(S) for the S slots it runs over, not d(R): while a batch fills, most slots are
-    still prefilling.
+    block that drafts for every request is priced at d(S) for the S slots it runs over, not d(R): while a
+    batch fills, most slots are still prefilling.
 
     Why the margin: the profile underprices a drafted step in the loop (the drafter block ran 1.3-2 × its
     profiled d(R), plus the context flush and output checks), and on serving prompts the calibrated
@@ -120,8 +124,13 @@ class SkipController(DraftController):
 
     Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs for a
     probe of _PROBE_STEPS = 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
-    mean restarts from them. The interval doubles after each probe that ends in another skip (4, 8, ...,
-    64 steps) and drops back to 4 when drafting pays again; it is never shorter than `probe_floor(R, S)`,
+    mean restarts from them. A probe step drafts for `probe_width(R)` = min(R, 2) requests, the least
+    recently drafted (so successive probes sample every request), in a block of that many rows: at R = 16
+    a probe costs d(2) and flushes two backlogs instead of d(16) and sixteen. Until the first drafted step,
+    every step drafts for that many. Why: at R ≥ 4 on the CPU drafting rarely pays, and the probes (their
+    blocks and the flushes they caused) were most of what dspark-async spent over `ar` there
+    (reports/serve/v10). The interval doubles after each probe that ends in another skip (4, 8, ..., 64
+    steps) and drops back to 4 when drafting pays again; it is never shorter than `probe_floor(R, S)`,
     which keeps the probes' drafter time within 5 % of the skipped steps'. A skipped step runs no drafter
     block, and no drafter context unless a backlog reaches the largest context bucket: its committed rows
     wait in the request's backlog, which the next draft flushes first, so the drafter never works from a
@@ -142,27 +151,32 @@ class SkipController(DraftController):
         self.survival_mean: np.ndarray | None = None
         self.survival_n = 0
 
-    def should_draft(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> bool:
-        if not super().should_draft(num_requests, num_slots, step_profile):
-            return False  # not counted towards a probe: no confidence can change this answer
+    def draft_count(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> int:
         R = num_requests
+        if not super().draft_count(R, num_slots, step_profile):
+            return 0  # not counted towards a probe: no confidence can change this answer
         if self.probe_left > 0:
             self.probe_left -= 1
-            return True
+            return self.probe_width(R)
         if self.skipped >= max(self.probe_interval, self.probe_floor(R, num_slots)):
             self.history, self.skipped, self.survival_n = [], 0, 0
             self.probe_interval = min(2 * self.probe_interval, _MAX_PROBE_INTERVAL)
             self.probe_left = _PROBE_STEPS - 1
-            return True
+            return self.probe_width(R)
         if self.survival_mean is None:
-            return True
+            return self.probe_width(R)
         if mean_survival_capacity(np.broadcast_to(self.survival_mean, (R, self.block_size)), R,
                                   step_profile, _SKIP_MARGIN, draft_slots=num_slots) > 0:
             self.probe_interval = _MIN_PROBE_INTERVAL
-            return True
+            return R
         self.skipped += 1
         self.drafts_skipped += 1
-        return False
+        return 0
+
+    @staticmethod
+    def probe_width(num_requests: int) -> int:
+        """The requests a probe step drafts for: min(R, _PROBE_REQUESTS)."""
+        return min(num_requests, _PROBE_REQUESTS)
 
     def observe(self, confidence: np.ndarray) -> None:
         """Also fold the step's request-averaged survival [γ] into the running mean."""
@@ -179,14 +193,17 @@ class SkipController(DraftController):
     def probe_floor(self, num_requests: int, num_slots: int) -> int:
         """The fewest skipped steps between probes for R requests in S slots: enough that a probe's drafter
         blocks cost at most _PROBE_OVERHEAD of the skipped steps' time,
-        ⌈_PROBE_STEPS · d(S) · SPS(R) / _PROBE_OVERHEAD⌉ (d(S) the drafter block's latency in s, which runs
-        over every slot; SPS(R) the target's steps/s at B = R rows; both from the profile). It may exceed
-        the doubling's 64: a drafter that costs 10 target steps is probed every 400 skipped steps (at most
-        _FLOOR_CAP, so absurd profiles stay finite). d(S) is the larger of the profile's and the drafter
-        block's own wall time in this generator's earlier steps at S slots (`observe_draft_time`): in the
-        loop the block can run well above its profiled latency. The probe's context flush is not counted:
-        it pays for rows the skipped steps committed, in proportion to the gap, so no gap makes it smaller."""
-        d, sps = max(self.profile.draft_seconds(num_slots), self.draft_wall.get(num_slots, 0.0)), \
+        ⌈_PROBE_STEPS · d(W) · SPS(R) / _PROBE_OVERHEAD⌉ (W the rows a probe's block runs over: its
+        `probe_width(R)` requests, or every slot S when that is all R; d the drafter block's latency in s;
+        SPS(R) the target's steps/s at B = R rows; both from the profile). It may exceed the doubling's 64:
+        a drafter that costs 10 target steps is probed every 400 skipped steps (at most _FLOOR_CAP, so absurd
+        profiles stay finite). d(W) is the larger of the profile's and the drafter block's own wall time in
+        this generator's earlier steps over W rows (`observe_draft_time`): in the loop the block can run well
+        above its profiled latency. The probe's context flush is not counted: it pays for rows the skipped
+        steps committed, in proportion to the gap, so no gap makes it smaller."""
+        width = self.probe_width(num_requests)
+        rows = num_slots if width == num_requests else width
+        d, sps = max(self.profile.draft_seconds(rows), self.draft_wall.get(rows, 0.0)), \
             self.profile.sps(num_requests)
         if not sps > 0:
             return _MAX_PROBE_INTERVAL

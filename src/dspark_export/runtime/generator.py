@@ -108,6 +108,7 @@ class Generator:
                                    np.asarray(engines.manifest.confidence_bias, np.float64), drafter, self)
         # a backlog this long is flushed even without a draft: one full context call, bounded memory
         self.backlog_limit = engines.buckets("drafter_context")[-1]
+        self.draft_clock = 0   # drafted steps so far; RequestState.drafted_at is the last one that drafted for it
 
     @property
     def profile(self) -> ThroughputProfile | None:
@@ -267,15 +268,18 @@ class Generator:
         S, stages = self.num_slots, self.stages
         rnd = Round(active, np.zeros(S, np.int64))
         decoding = [s for s in active if s.decoding]
-        # 1. draft γ tokens per decoding request, after flushing the drafter-context backlog the draft reads
-        drafting = bool(decoding) and self.controller.should_draft(len(decoding), S, self._step_profile())
+        # 1. draft γ tokens for the requests the controller picks (all, a probe's few, or none), after flushing
+        #    the drafter-context backlog the draft reads
+        count = self.controller.draft_count(len(decoding), S, self._step_profile()) if decoding else 0
+        drafting = sorted(decoding, key=lambda s: (s.drafted_at, s.index))[:count]   # least recently drafted
         rnd.flushed = stages.flush_context(rnd, [s for s in active if s.backlog_rows and (
-            (drafting and s.decoding) or s.backlog_rows >= self.backlog_limit)])
-        decoding = rnd.live(decoding)
-        if drafting and decoding:
-            rnd.drafts, seconds = stages.propose(rnd, decoding)
-            self.controller.observe_draft_time(S, seconds)
-            decoding = rnd.live(decoding)
+            s in drafting or s.backlog_rows >= self.backlog_limit)])
+        decoding, drafting = rnd.live(decoding), rnd.live(drafting)
+        if drafting:
+            every = len(drafting) == len(decoding)     # else a block over the drafted slots' rows alone
+            rnd.drafts, seconds = stages.propose(rnd, drafting, every)
+            self.controller.observe_draft_time(S if every else len(drafting), seconds)
+            decoding, rnd.drafted = rnd.live(decoding), rnd.live(drafting)
         rnd.conf = self._schedule(rnd, decoding)      # ℓ_r: how many of its drafts each request verifies
         # 2. one target pass: [anchor, ℓ_r drafts] per decoding request, then prefill chunks within the budget
         drafts, lens = rnd.drafts, rnd.verify_lens
@@ -312,7 +316,8 @@ class Generator:
 
     def _schedule(self, rnd: Round, decoding: list[RequestState]) -> np.ndarray | None:
         """Set the verify lengths ℓ of the decoding slots (`rnd.verify_lens`), capped so a round never passes
-        max_new_tokens or the capacity; returns the confidences [R, γ] the policy saw (None without drafts)."""
+        max_new_tokens or the capacity; returns the confidences [R', γ] of the R' requests drafted for (None
+        without drafts), which the controller learns from."""
         if not decoding:
             return None
         slots = np.array([s.slot for s in decoding], np.int64)
@@ -322,10 +327,10 @@ class Generator:
                          for s in decoding], np.int64)
         if rnd.drafts is None:
             return None
-        conf = rnd.drafts["confidence"][slots]
+        conf = rnd.drafts["confidence"][slots]        # 0 for a request not drafted for: it verifies nothing
         lens = self.policy.verify_lengths(conf, self.block_size, self._step_profile(), self.controller.lagged(), caps)
         rnd.verify_lens[slots] = np.minimum(lens, caps)
-        return conf
+        return rnd.drafts["confidence"][[s.slot for s in rnd.drafted]]
 
     def _step_profile(self) -> ThroughputProfile | None:
         """The profile bound to this step's layout (slot count S, key entries a verification pass attends
@@ -346,6 +351,9 @@ class Generator:
                 s.prefilled = rnd.prefill[s.slot]
         if rnd.conf is not None:
             self.controller.observe(rnd.conf)
+            self.draft_clock += 1
+            for s in rnd.drafted:
+                s.drafted_at = self.draft_clock
         for s in rnd.active:                  # the flushed backlog rows, written past lens in the step
             if s.slot in rnd.flushed and s.slot not in rnd.failed:
                 self.batch.draft_kv.lens[s.slot] = rnd.flushed[s.slot]
@@ -353,11 +361,13 @@ class Generator:
         if rnd.commit is not None:
             c = rnd.commit
             self.batch.target_kv.append(c.slots, c.target_keys, c.target_values)
-            if c.aux is not None:
+            if c.aux is not None:   # a slot's rows are contiguous in the commit (`commit_rows`): views
+                slots, first, counts = np.unique(c.slots, return_index=True, return_counts=True)
+                at = dict(zip(slots.tolist(), zip(first.tolist(), counts.tolist())))
                 for s in rnd.active:
-                    rows = np.flatnonzero(c.slots == s.slot)
-                    if rows.size:
-                        s.backlog.append((c.aux[rows], c.positions[rows]))
+                    if s.slot in at:
+                        a, n = at[s.slot]
+                        s.backlog.append((c.aux[a:a + n], c.positions[a:a + n]))
         drafts = rnd.drafts
         for s in rnd.decoding:
             if s.slot in rnd.failed:

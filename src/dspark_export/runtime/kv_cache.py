@@ -170,3 +170,18 @@ class KVCache:
             feed[f"{key_name}.{layer}"] = np.ascontiguousarray(k) if slot is not None else k
             feed[f"{value_name}.{layer}"] = np.ascontiguousarray(v) if slot is not None else v
         return feed
+
+    def gather(self, key_name: str, value_name: str, slots: list[int], rows: int, entries: int) -> dict[str, np.ndarray]:
+        """Like `feed`, over `slots` only: per layer [rows, kvH, P, D] copies, row i holding slot slots[i]'s first
+        P = aligned(entries) entries and rows past len(slots) zero (inert padding up to an engine's bucket).
+        `entries` may reach past `lens` (rows a step wrote with `write`). For a drafter block over a few
+        slots of many: the copy is O(len(slots) · P), the whole-buffer feed's engine call O(S · C)."""
+        P = aligned(min(entries, self.capacity))
+        shape = (rows, self.num_kv_heads, P, self.head_dim)
+        feed = {}
+        for layer in range(self.num_layers):
+            for name, buffer in ((key_name, self.keys[layer]), (value_name, self.values[layer])):
+                out = np.zeros(shape, np.float32)
+                out[:len(slots)] = buffer[slots, :, :P]
+                feed[f"{name}.{layer}"] = out
+        return feed

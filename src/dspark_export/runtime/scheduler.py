@@ -307,7 +307,7 @@ def mean_survival_capacity(mean_survival: np.ndarray, num_requests: int, profile
     The runtime's drafter-skip decision passes, for every request, the running mean over earlier
     drafted steps of the request-averaged survival, so one unlucky step's low confidences do not
     switch the drafter off (a single step's survivals are noisy: at R = 1 they swing between ~0 and
-    ~1 from one token to the next); see `SkipController.should_draft` for why not per request.
+    ~1 from one token to the next); see `SkipController` for why not per request.
 
     Worked example (buckets {1: 40, 2: 28, 4: 25, 8: 20} steps/s, d(1) = 10 ms, R = 1): steps that
     alternate between c = 0.95 and c = 0.05 at each of 4 positions have mean survival

@@ -50,7 +50,8 @@ class Round:
     finishing: list[RequestState] = field(default_factory=list)  # requests whose prefill ends this step
     prefill: dict[int, int] = field(default_factory=dict)  # slot -> prompt tokens prefilled after this step
     drafts: dict | None = None
-    conf: np.ndarray | None = None                # [R, γ] confidences the policy saw
+    drafted: list[RequestState] = field(default_factory=list)  # the requests the drafter block drafted for
+    conf: np.ndarray | None = None                # [R', γ] confidences of the drafted requests
     failed: dict[int, str] = field(default_factory=dict)
     num_accepted: np.ndarray | None = None        # [S] int64
     next_ids: np.ndarray | None = None            # [S] int64
@@ -142,22 +143,25 @@ class EngineStages:
                 values[i].append(out[f"context_value.{i}"][:n])
         return [np.concatenate(k) for k in keys], [np.concatenate(v) for v in values]
 
-    def propose(self, rnd: Round, decoding: list[RequestState]) -> tuple[dict, float]:
-        """`draft` for the decoding requests, its wall time in s, and the check of its outputs."""
+    def propose(self, rnd: Round, decoding: list[RequestState], every: bool = True) -> tuple[dict, float]:
+        """`draft` for the requests `decoding`, its wall time in s, and the check of its outputs."""
         t0 = time.perf_counter()
-        drafts = self.draft(decoding, rnd.flushed)
+        drafts = self.draft(decoding, rnd.flushed, every)
         seconds = time.perf_counter() - t0
         rnd.failed.update(faults.check_drafts(drafts, decoding, self.vocab_size, self._engine("drafter_block")))
         return drafts, seconds
 
-    def draft(self, active: list[RequestState], flushed: dict[int, int]) -> dict[str, np.ndarray]:
+    def draft(self, active: list[RequestState], flushed: dict[int, int], every: bool = True) -> dict[str, np.ndarray]:
         """Drafts for every slot: {"draft_ids" [S, γ] int64, "draft_logits" [S, γ, Vd] float32 (over d2t with a
-        draft vocabulary),
-        "confidence" [S, γ] float32}; rows of slots not in `active` are ignored. `flushed`: the drafter
-        context lengths this step's flush reaches (`flush_context`); every active request's backlog has
-        been flushed, so its context covers every position before its anchor."""
+        draft vocabulary), "confidence" [S, γ] float32}; rows of slots not in `active` are ignored (and 0 when
+        not `every`). `flushed`: the drafter context lengths this step's flush reaches (`flush_context`); every
+        active request's backlog has been flushed, so its context covers every position before its anchor.
+        `every`: one block over every slot, reading the drafter cache in place; else a block over the
+        active requests' rows alone (`draft_rows`)."""
         if self.drafter is not None:
             return self.drafter(self.generator, active)
+        if not every:
+            return self.draft_rows(active, flushed)
         S = self.batch.num_slots
         anchors = np.zeros(S, np.int64)
         starts = np.zeros(S, np.int64)
@@ -171,7 +175,38 @@ class EngineStages:
         feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": context_lens,
                 **self.batch.draft_kv.feed("context_key", "context_value"), **self.batch.sampling(active),
                 "uniforms": uniforms, "confidence_temperature": self.sts}
-        out = self.infer(self.engines.runner("drafter_block", S), feed)
+        return self.calibrated(self.infer(self.engines.runner("drafter_block", S), feed))
+
+    def draft_rows(self, active: list[RequestState], flushed: dict[int, int]) -> dict[str, np.ndarray]:
+        """`draft` for the `active` requests only, in a block of the smallest bucket that holds them: their
+        drafter cache rows are copied out (`KVCache.gather`), padding rows are empty (context 0, greedy), and
+        the outputs are scattered back to [S, ...] with 0 for every other slot. A request drafts as it would in
+        the block over every slot, up to float rounding (drafts only decide how fast the output comes)."""
+        slots = [s.slot for s in active]
+        runner = self.engines.runner("drafter_block", len(slots))
+        rows, n = runner.padded_rows(len(slots)), len(slots)
+        anchors, starts, context_lens = (np.zeros(rows, np.int64) for _ in range(3))
+        uniforms = np.zeros((rows, self.block_size), np.float32)
+        for i, s in enumerate(active):
+            anchors[i], starts[i] = s.anchor, s.start
+            context_lens[i] = flushed.get(s.slot, int(self.batch.draft_kv.lens[s.slot]))
+            uniforms[i] = s.rng.random(self.block_size, dtype=np.float32)
+        greedy = {"temperature": 0, "top_k": 0, "top_p": 1}
+        sampling = {name: np.concatenate([value[slots], np.full(rows - n, greedy[name], value.dtype)])
+                    for name, value in self.batch.sampling(active).items()}
+        feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": context_lens,
+                **self.batch.draft_kv.gather("context_key", "context_value", slots, rows, int(context_lens.max())),
+                **sampling, "uniforms": uniforms, "confidence_temperature": self.sts}
+        out = self.calibrated(self.infer(runner, feed))
+        S = self.batch.num_slots
+        full = {}
+        for name in ("draft_ids", "draft_logits", "confidence"):
+            full[name] = np.zeros((S,) + out[name].shape[1:], out[name].dtype)
+            full[name][slots] = out[name][:n]
+        return full
+
+    def calibrated(self, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The drafter block's outputs with the manifest's per-position confidence bias applied."""
         if self.confidence_bias.any():
             c = np.clip(np.asarray(out["confidence"], np.float64), 1e-7, 1 - 1e-7)   # NaN stays NaN (fault check)
             z = np.log(c) - np.log1p(-c) + self.confidence_bias
