@@ -327,7 +327,8 @@ class Generator:
                          for s in decoding], np.int64)
         if rnd.drafts is None:
             return None
-        conf = rnd.drafts["confidence"][slots]        # 0 for a request not drafted for: it verifies nothing
+        drafted = np.isin(slots, [s.slot for s in rnd.drafted])
+        conf = np.where(drafted[:, None], rnd.drafts["confidence"][slots], 0)   # not drafted for: verifies nothing
         lens = self.policy.verify_lengths(conf, self.block_size, self._step_profile(), self.controller.lagged(), caps)
         rnd.verify_lens[slots] = np.minimum(lens, caps)
         return rnd.drafts["confidence"][[s.slot for s in rnd.drafted]]
