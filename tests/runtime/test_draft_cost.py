@@ -477,3 +477,30 @@ def test_a_block_over_a_few_rows_drafts_as_the_block_over_every_slot(runtime):  
     while gen.has_work():
         gen.step()
     assert [gen.result(r).token_ids for r in ids] == [_solo(runtime, p, 30) for p in PROMPTS[:4]]
+
+
+def test_a_probe_whose_requests_all_fail_leaves_the_others_and_the_estimate_alone(runtime, every_probe):  # noqa: F811
+    """A probe's block returns NaN for the requests it drafted for: those requests fail alone, the requests it did
+    not draft for finish as they would solo, and the controller learns nothing from the failed rows."""
+    gen = Generator(runtime.engines, parse_policy("dspark-async"))
+    gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
+    real, poisoned = gen.stages.draft_rows, []
+
+    def draft_rows(active, flushed):
+        out = real(active, flushed)
+        if gen.controller.survival_mean is not None and not poisoned:   # the first probe after the first skip
+            poisoned.extend(s.index for s in active)
+            out["confidence"][[s.slot for s in active]] = np.nan
+        return out
+    gen.stages.draft_rows = draft_rows
+    ids = [gen.submit(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS[:3]]
+    while gen.has_work():
+        gen.step()
+        assert gen.controller.survival_mean is None or np.isfinite(gen.controller.survival_mean).all()
+    assert len(poisoned) == 2
+    for rid, prompt in zip(ids, PROMPTS[:3]):
+        result = gen.result(rid)
+        if rid in poisoned:
+            assert result.finish_reason == "error" and "drafter_block" in result.error
+        else:
+            assert result.token_ids == _solo(runtime, prompt, 40)

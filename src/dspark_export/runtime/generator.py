@@ -331,7 +331,7 @@ class Generator:
         conf = np.where(drafted[:, None], rnd.drafts["confidence"][slots], 0)   # not drafted for: verifies nothing
         lens = self.policy.verify_lengths(conf, self.block_size, self._step_profile(), self.controller.lagged(), caps)
         rnd.verify_lens[slots] = np.minimum(lens, caps)
-        return rnd.drafts["confidence"][[s.slot for s in rnd.drafted]]
+        return rnd.drafts["confidence"][[s.slot for s in rnd.drafted]] if rnd.drafted else None
 
     def _step_profile(self) -> ThroughputProfile | None:
         """The profile bound to this step's layout (slot count S, key entries a verification pass attends
