@@ -484,15 +484,15 @@ def test_a_probe_whose_requests_all_fail_leaves_the_others_and_the_estimate_alon
     not draft for finish as they would solo, and the controller learns nothing from the failed rows."""
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
-    real, poisoned = gen.stages.draft_rows, []
+    real, poisoned = gen.stages.draft, []
 
-    def draft_rows(active, flushed):
-        out = real(active, flushed)
-        if gen.controller.survival_mean is not None and not poisoned:   # the first probe after the first skip
+    def draft(active, flushed, every=True):
+        out = real(active, flushed, every)
+        if not every and gen.controller.survival_mean is not None and not poisoned:   # the first probe after a skip
             poisoned.extend(s.index for s in active)
             out["confidence"][[s.slot for s in active]] = np.nan
         return out
-    gen.stages.draft_rows = draft_rows
+    gen.stages.draft = draft
     ids = [gen.submit(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS[:3]]
     while gen.has_work():
         gen.step()

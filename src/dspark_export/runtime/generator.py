@@ -327,11 +327,11 @@ class Generator:
                          for s in decoding], np.int64)
         if rnd.drafts is None:
             return None
-        drafted = np.isin(slots, [s.slot for s in rnd.drafted])
-        conf = np.where(drafted[:, None], rnd.drafts["confidence"][slots], 0)   # not drafted for: verifies nothing
+        drafted = [s.slot for s in rnd.drafted]
+        conf = np.where(np.isin(slots, drafted)[:, None], rnd.drafts["confidence"][slots], 0)   # not drafted: 0
         lens = self.policy.verify_lengths(conf, self.block_size, self._step_profile(), self.controller.lagged(), caps)
         rnd.verify_lens[slots] = np.minimum(lens, caps)
-        return rnd.drafts["confidence"][[s.slot for s in rnd.drafted]] if rnd.drafted else None
+        return rnd.drafts["confidence"][drafted] if drafted else None
 
     def _step_profile(self) -> ThroughputProfile | None:
         """The profile bound to this step's layout (slot count S, key entries a verification pass attends

@@ -157,18 +157,14 @@ class KVCache:
         contiguous copies: the engines attend over every entry of the buffer (masking those ≥ lens), so a
         long query block (a prefill chunk) costs less over a trimmed cache than over the whole capacity, and
         the copy costs far less than it saves (reports/measurement_history.md, "trimmed KV feed")."""
-        if slot is None:
-            self._grow(int(self.lens.max(initial=0)) + width)
-            rows, cols = slice(None), slice(None)
-        else:
+        if slot is not None:
             needed = int(self.lens[slot]) + width
             self._grow(needed)
-            rows, cols = slice(slot, slot + 1), slice(0, aligned(needed))
+            return self.gather(key_name, value_name, [slot], 1, needed)
+        self._grow(int(self.lens.max(initial=0)) + width)
         feed = {}
         for layer in range(self.num_layers):
-            k, v = self.keys[layer][rows, :, cols], self.values[layer][rows, :, cols]
-            feed[f"{key_name}.{layer}"] = np.ascontiguousarray(k) if slot is not None else k
-            feed[f"{value_name}.{layer}"] = np.ascontiguousarray(v) if slot is not None else v
+            feed[f"{key_name}.{layer}"], feed[f"{value_name}.{layer}"] = self.keys[layer], self.values[layer]
         return feed
 
     def gather(self, key_name: str, value_name: str, slots: list[int], rows: int, entries: int) -> dict[str, np.ndarray]:
@@ -181,7 +177,8 @@ class KVCache:
         feed = {}
         for layer in range(self.num_layers):
             for name, buffer in ((key_name, self.keys[layer]), (value_name, self.values[layer])):
-                out = np.zeros(shape, np.float32)
-                out[:len(slots)] = buffer[slots, :, :P]
+                out = np.empty(shape, np.float32) if rows == len(slots) else np.zeros(shape, np.float32)
+                for i, slot in enumerate(slots):      # one copy per slot (a slice, not a fancy-index gather)
+                    out[i] = buffer[slot, :, :P]
                 feed[f"{name}.{layer}"] = out
         return feed

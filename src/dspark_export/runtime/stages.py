@@ -156,53 +156,37 @@ class EngineStages:
         draft vocabulary), "confidence" [S, γ] float32}; rows of slots not in `active` are ignored (and 0 when
         not `every`). `flushed`: the drafter context lengths this step's flush reaches (`flush_context`); every
         active request's backlog has been flushed, so its context covers every position before its anchor.
-        `every`: one block over every slot, reading the drafter cache in place; else a block over the
-        active requests' rows alone (`draft_rows`)."""
+        `every`: one block over every slot, reading the drafter cache in place; else a block of the smallest
+        bucket that holds the active requests' rows alone, their drafter cache rows copied out (`KVCache.gather`)
+        and the outputs scattered back to [S, ...]. A request drafts as in the block over every slot, up to
+        float rounding (drafts only decide how fast the output comes)."""
         if self.drafter is not None:
             return self.drafter(self.generator, active)
-        if not every:
-            return self.draft_rows(active, flushed)
-        S = self.batch.num_slots
-        anchors = np.zeros(S, np.int64)
-        starts = np.zeros(S, np.int64)
-        uniforms = np.zeros((S, self.block_size), np.float32)
-        for s in active:
-            anchors[s.slot], starts[s.slot] = s.anchor, s.start
-            uniforms[s.slot] = s.rng.random(self.block_size, dtype=np.float32)
-        context_lens = self.batch.draft_kv.lens.copy()
-        for slot, n in flushed.items():
-            context_lens[slot] = n
-        feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": context_lens,
-                **self.batch.draft_kv.feed("context_key", "context_value"), **self.batch.sampling(active),
-                "uniforms": uniforms, "confidence_temperature": self.sts}
-        return self.calibrated(self.infer(self.engines.runner("drafter_block", S), feed))
-
-    def draft_rows(self, active: list[RequestState], flushed: dict[int, int]) -> dict[str, np.ndarray]:
-        """`draft` for the `active` requests only, in a block of the smallest bucket that holds them: their
-        drafter cache rows are copied out (`KVCache.gather`), padding rows are empty (context 0, greedy), and
-        the outputs are scattered back to [S, ...] with 0 for every other slot. A request drafts as it would in
-        the block over every slot, up to float rounding (drafts only decide how fast the output comes)."""
-        slots = [s.slot for s in active]
-        runner = self.engines.runner("drafter_block", len(slots))
-        rows, n = runner.padded_rows(len(slots)), len(slots)
+        S, slots = self.batch.num_slots, np.array([s.slot for s in active], np.int64)
+        runner = self.engines.runner("drafter_block", S if every else len(slots))
+        rows = S if every else runner.padded_rows(len(slots))
+        at = slots if every else np.arange(len(slots))     # each request's row in the block
         anchors, starts, context_lens = (np.zeros(rows, np.int64) for _ in range(3))
         uniforms = np.zeros((rows, self.block_size), np.float32)
-        for i, s in enumerate(active):
-            anchors[i], starts[i] = s.anchor, s.start
-            context_lens[i] = flushed.get(s.slot, int(self.batch.draft_kv.lens[s.slot]))
-            uniforms[i] = s.rng.random(self.block_size, dtype=np.float32)
-        greedy = {"temperature": 0, "top_k": 0, "top_p": 1}
-        sampling = {name: np.concatenate([value[slots], np.full(rows - n, greedy[name], value.dtype)])
-                    for name, value in self.batch.sampling(active).items()}
+        for r, s in zip(at, active):
+            anchors[r], starts[r] = s.anchor, s.start
+            context_lens[r] = flushed.get(s.slot, int(self.batch.draft_kv.lens[s.slot]))
+            uniforms[r] = s.rng.random(self.block_size, dtype=np.float32)
+        # padding rows (context 0) repeat the first request's sampling values: their outputs are dropped
+        take = np.arange(S) if every else np.concatenate([slots, np.full(rows - len(slots), slots[0])])
+        kv = self.batch.draft_kv
         feed = {"anchor_ids": anchors, "start_positions": starts, "context_lens": context_lens,
-                **self.batch.draft_kv.gather("context_key", "context_value", slots, rows, int(context_lens.max())),
-                **sampling, "uniforms": uniforms, "confidence_temperature": self.sts}
+                **(kv.feed("context_key", "context_value") if every else
+                   kv.gather("context_key", "context_value", slots, rows, int(context_lens.max()))),
+                **{name: value[take] for name, value in self.batch.sampling(active).items()},
+                "uniforms": uniforms, "confidence_temperature": self.sts}
         out = self.calibrated(self.infer(runner, feed))
-        S = self.batch.num_slots
-        full = {}
+        if every:
+            return out
+        full = {}   # back to [S, ...], 0 for every slot not drafted for
         for name in ("draft_ids", "draft_logits", "confidence"):
             full[name] = np.zeros((S,) + out[name].shape[1:], out[name].dtype)
-            full[name][slots] = out[name][:n]
+            full[name][slots] = out[name][:len(slots)]
         return full
 
     def calibrated(self, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
