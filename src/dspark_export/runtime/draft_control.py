@@ -106,10 +106,11 @@ class SkipController(DraftController):
     block that drafts for every request is priced at d(S) for the S slots it runs over, not d(R): while a
     batch fills, most slots are still prefilling.
 
-    Why the margin: the profile underprices a drafted step in the loop (the drafter block ran 1.3-2 × its
-    profiled d(R), plus the context flush and output checks), and on serving prompts the calibrated
+    Why the margin: the profile underprices a drafted step in the loop (it holds the drafter block, not the
+    context flush or the host work of drafting and verifying), and on serving prompts the calibrated
     confidences can overrate position 1; both push a marginal decision toward drafting
-    (reports/measurement_history.md, "dspark-async skip margin").
+    (reports/measurement_history.md, "dspark-async skip margin"; margins 0.05-0.3 tie single user:
+    reports/runtime_split/s31/).
 
     Why a running mean: one step's survivals are noisy (at R = 1 they swing from ~0 to ~1 between tokens),
     and a rule on them switched a drafter that pays on average off for whole probe intervals. Why averaged
