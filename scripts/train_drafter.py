@@ -279,7 +279,8 @@ def cmd_train(args, say):
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
                       seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size, bf16=args.bf16,
                       block_size=args.block_size, init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
-                      domain_weights=domain_weights, loss=loss_weights)
+                      domain_weights=domain_weights, loss=loss_weights,
+                      ce_labels=args.ce_labels)
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     eval_dir = Path(args.run) / "features" / "calibration"
@@ -490,6 +491,10 @@ def parse_args(argv=None):
                         "default DeepSpec's ce=0.1,l1=0.9,bce=1,decay=4). A higher ce leans the drafter toward the "
                         "target's argmax, what greedy (T = 0) acceptance counts; ce=1 raised τ but calibrated "
                         "worse and drafted slower at one user (reports/drafter/v9-ce)")
+    p.add_argument("--ce-labels", choices=("token", "argmax"), default="token",
+                   help="CE's label per draft slot: the record's next token (default) or the target's own argmax "
+                        "there, computed from the cached final hidden (what greedy verification accepts; the two "
+                        "differ on records the target sampled at T > 0)")
     p.add_argument("--init-from", metavar="DRAFTER_DIR",
                    help="start the run from a trained drafter of the same architecture (e.g. the shipped one; "
                         "γ may differ; --layers may exceed its depth: the new layers start as no-ops) instead of a "

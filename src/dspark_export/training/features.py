@@ -264,7 +264,8 @@ def build_feature_cache_parallel(open_source: Callable[[], object], records: Seq
 @dataclass
 class Sequence_:
     """One cached sequence: tokens [T] int64, aux [T, F] float32, last [T, H] float32, prompt_len; t_lse [T]
-    float32 or None (the target's full-vocabulary logsumexp, set by the trainer for the draft-vocabulary loss)."""
+    float32 or None (the target's full-vocabulary logsumexp, set by the trainer for the draft-vocabulary loss);
+    t_argmax [T] int64 or None (the target's argmax per row, set by the trainer for argmax CE labels)."""
 
     tokens: np.ndarray
     aux: np.ndarray
@@ -272,6 +273,7 @@ class Sequence_:
     prompt_len: int
     source: dict
     t_lse: np.ndarray | None = None
+    t_argmax: np.ndarray | None = None
 
 
 class FeatureCache:

@@ -18,7 +18,10 @@ contiguous prefix):
     loss = ce_weight·CE + l1_weight·L1 + bce_weight·BCE     (DeepSpec: 0.1, 0.9, 1.0)
 
 with teacher-forced previous tokens ``prev = [anchor, labels[:-1]]`` for the Markov head and the
-confidence head.
+confidence head. CE's label is the sequence's next token, or with ``make_batch(..., ce_labels="argmax")`` the
+target's own argmax at that position over the full vocabulary (``TrainBatch.ce_labels``): what a greedy (T = 0)
+verification accepts. The two differ on responses the target sampled at T > 0; ``prev`` stays the sequence's
+tokens either way, since the cached features were computed on them.
 
 Cost: the [M, V] logits (M = B·N·γ rows, V = 49152 for SmolLM2) dominate. ``dspark_loss`` never
 materialises them in fp32: :class:`FusedVocabLoss` walks the rows in chunks, computing per chunk the
@@ -65,7 +68,8 @@ from ..modeling.layers import apply_rope
 from .features import Sequence_
 
 __all__ = ["LossWeights", "TrainBatch", "make_batch", "sample_anchors", "block_forward", "dspark_loss",
-           "FusedVocabLoss", "target_logsumexp", "response_logsumexp", "token_to_draft"]
+           "FusedVocabLoss", "target_logsumexp", "target_lse_argmax", "response_logsumexp", "response_targets",
+           "token_to_draft", "CE_LABELS"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,9 @@ class TrainBatch:
     tokens [B, S] int64; aux [B, S, F] float32; last [B, S, H] float32; seq_lens [B] int64;
     anchors [B, N] int64 (0 where keep is False); keep [B, N] bool; labels [B, N, γ] int64;
     valid [B, N, γ] bool (contiguous prefix per block); t_lse [B, S] float32 or None: the target's
-    full-vocabulary logsumexp per position (`target_logsumexp`; only the draft-vocabulary loss reads it).
+    full-vocabulary logsumexp per position (`target_logsumexp`; only the draft-vocabulary loss reads it);
+    ce_labels [B, N, γ] int64 or None: CE's labels when they are not `labels` (the target's argmax,
+    `make_batch(ce_labels="argmax")`).
     """
 
     tokens: torch.Tensor
@@ -108,6 +114,11 @@ class TrainBatch:
     labels: torch.Tensor
     valid: torch.Tensor
     t_lse: torch.Tensor | None = None
+    ce_labels: torch.Tensor | None = None
+
+
+#: CE's label per draft slot: "token" (the sequence's next token) or "argmax" (the target's own argmax there)
+CE_LABELS = ("token", "argmax")
 
 
 def sample_anchors(prompt_len: int, length: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -119,7 +130,19 @@ def sample_anchors(prompt_len: int, length: int, n: int, rng: np.random.Generato
     return candidates
 
 
-def make_batch(seqs: list[Sequence_], anchors_per_seq: int, block_size: int, rng: np.random.Generator) -> TrainBatch:
+def make_batch(seqs: list[Sequence_], anchors_per_seq: int, block_size: int, rng: np.random.Generator,
+               ce_labels: str = "token") -> TrainBatch:
+    """A batch of `seqs` with up to `anchors_per_seq` anchors each (`sample_anchors`). `ce_labels` "argmax" also
+    fills `TrainBatch.ce_labels` from each sequence's `t_argmax` [T] (`response_targets`): slot k of anchor p
+    is labelled with the target's argmax at position p + k, the row that predicts token p + k + 1.
+
+    Raises:
+        ConfigError: `ce_labels` is not one of `CE_LABELS`, or "argmax" with a sequence lacking `t_argmax`.
+    """
+    if ce_labels not in CE_LABELS:
+        raise ConfigError(f"ce_labels: expected one of {list(CE_LABELS)}, found {ce_labels!r}")
+    if ce_labels == "argmax" and any(getattr(s, "t_argmax", None) is None for s in seqs):
+        raise ConfigError("ce_labels 'argmax': every sequence needs its target argmax (t_argmax, response_targets)")
     B, S, G = len(seqs), max(len(s.tokens) for s in seqs), block_size
     Fdim, H = seqs[0].aux.shape[1], seqs[0].last.shape[1]
     tokens = np.zeros((B, S), np.int64)
@@ -128,6 +151,7 @@ def make_batch(seqs: list[Sequence_], anchors_per_seq: int, block_size: int, rng
     anchors = np.zeros((B, anchors_per_seq), np.int64)
     keep = np.zeros((B, anchors_per_seq), bool)
     labels = np.zeros((B, anchors_per_seq, G), np.int64)
+    argmax = np.zeros((B, anchors_per_seq, G), np.int64) if ce_labels == "argmax" else None
     valid = np.zeros((B, anchors_per_seq, G), bool)
     for b, s in enumerate(seqs):
         T = len(s.tokens)
@@ -137,6 +161,8 @@ def make_batch(seqs: list[Sequence_], anchors_per_seq: int, block_size: int, rng
         idx = a[:, None] + 1 + np.arange(G)[None, :]  # [n, γ]
         ok = idx < T
         labels[b, :len(a)] = np.where(ok, s.tokens[np.minimum(idx, T - 1)], 0)
+        if argmax is not None:
+            argmax[b, :len(a)] = np.where(ok, s.t_argmax[np.minimum(idx - 1, T - 1)], 0)
         valid[b, :len(a)] = ok  # contiguous: idx grows with k
     t_lse = None
     if all(getattr(s, "t_lse", None) is not None for s in seqs):
@@ -145,33 +171,47 @@ def make_batch(seqs: list[Sequence_], anchors_per_seq: int, block_size: int, rng
             t_lse[b, :len(s.tokens)] = s.t_lse[:len(s.tokens)]
     t = torch.from_numpy
     return TrainBatch(t(tokens), t(aux), t(last), torch.tensor([len(s.tokens) for s in seqs]), t(anchors), t(keep),
-                      t(labels), t(valid), None if t_lse is None else t(t_lse))
+                      t(labels), t(valid), None if t_lse is None else t(t_lse), None if argmax is None else t(argmax))
 
 
 @torch.no_grad()
-def target_logsumexp(last: torch.Tensor, W: torch.Tensor, *, bf16: bool = False, chunk: int = 256) -> torch.Tensor:
-    """The target's full-vocabulary logsumexp per row: lse_V(last·Wᵀ) [M] float32 from last [M, H] (final
-    hidden) and the LM head W [V, H], the matmul in bfloat16 when `bf16` (as `FusedVocabLoss` computes the
-    target logits), in row chunks so [M, V] is never held."""
+def target_lse_argmax(last: torch.Tensor, W: torch.Tensor, *, bf16: bool = False,
+                      chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's full-vocabulary logsumexp and argmax per row: (lse_V(last·Wᵀ) [M] float32, argmax [M] int64,
+    the first maximum) from last [M, H] (final hidden) and the LM head W [V, H], the matmul in bfloat16 when
+    `bf16` (as `FusedVocabLoss` computes the target logits), in row chunks so [M, V] is never held."""
     last = last.reshape(-1, W.shape[1])
     Wc = W.to(torch.bfloat16) if bf16 else W.float()
-    out = torch.empty(last.shape[0])
+    lse, top = torch.empty(last.shape[0]), torch.empty(last.shape[0], dtype=torch.long)
     with torch.autocast("cpu", enabled=False):
         for lo in range(0, last.shape[0], chunk):
-            out[lo:lo + chunk] = torch.logsumexp((last[lo:lo + chunk].to(Wc.dtype) @ Wc.T).float(), dim=-1)
-    return out
+            z = (last[lo:lo + chunk].to(Wc.dtype) @ Wc.T).float()
+            lse[lo:lo + chunk], top[lo:lo + chunk] = torch.logsumexp(z, dim=-1), z.argmax(dim=-1)
+    return lse, top
+
+
+def target_logsumexp(last: torch.Tensor, W: torch.Tensor, *, bf16: bool = False, chunk: int = 256) -> torch.Tensor:
+    """`target_lse_argmax`'s logsumexp [M] alone."""
+    return target_lse_argmax(last, W, bf16=bf16, chunk=chunk)[0]
+
+
+def response_targets(seq: Sequence_, W: torch.Tensor, *, bf16: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence's `t_lse` [T] float32 and `t_argmax` [T] int64 for `make_batch`: `target_lse_argmax` on its
+    response rows (from prompt_len on); +inf and 0 on its prompt rows. Why only the response: the loss reads
+    them only at a block's target positions, anchor + 0..γ-1 with every kept anchor >= prompt_len
+    (`sample_anchors`), and a third of the training tokens are prompt tokens; +inf gives q = 0 (finite
+    losses) on the rows of padded anchors, which weigh 0."""
+    lse, top = np.full(len(seq.tokens), np.inf, np.float32), np.zeros(len(seq.tokens), np.int64)
+    start = min(int(seq.prompt_len), len(seq.tokens))
+    if start < len(seq.tokens):
+        a, b = target_lse_argmax(torch.as_tensor(np.asarray(seq.last[start:])), W, bf16=bf16)
+        lse[start:], top[start:] = a.numpy(), b.numpy()
+    return lse, top
 
 
 def response_logsumexp(seq: Sequence_, W: torch.Tensor, *, bf16: bool = False) -> np.ndarray:
-    """A sequence's `t_lse` [T] float32 for `make_batch`: `target_logsumexp` on its response rows (from
-    prompt_len on), +inf on its prompt rows. Why: the loss reads t_lse only at a block's target positions,
-    anchor + 0..γ-1 with every kept anchor >= prompt_len (`sample_anchors`), and a third of the training tokens
-    are prompt tokens; +inf gives q = 0 (finite losses) on the rows of padded anchors, which weigh 0."""
-    lse = np.full(len(seq.tokens), np.inf, np.float32)
-    start = min(int(seq.prompt_len), len(seq.tokens))
-    if start < len(seq.tokens):
-        lse[start:] = target_logsumexp(torch.as_tensor(np.asarray(seq.last[start:])), W, bf16=bf16).numpy()
-    return lse
+    """`response_targets`' t_lse alone."""
+    return response_targets(seq, W, bf16=bf16)[0]
 
 
 def token_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -348,11 +388,11 @@ def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights 
     w = valid * torch.exp(-torch.arange(G, dtype=torch.float32) / weights.decay)
     wsum = w.sum().clamp(min=1e-6)
     w1_prev = drafter.markov_head.markov_w1(prev) if drafter.markov_head is not None else None  # [B, N, γ, r]
-    labels = batch.labels
+    labels = batch.labels if batch.ce_labels is None else batch.ce_labels   # CE's labels (module docstring)
     bucket = None
     if d2t is not None:
         d2t = torch.as_tensor(d2t, dtype=torch.long)
-        labels = token_to_draft(d2t, cfg.vocab_size)[batch.labels]  # −1: the pooled bucket
+        labels = token_to_draft(d2t, cfg.vocab_size)[labels]  # −1: the pooled bucket
     if fused:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hidden, _ = block_forward(drafter, batch, logits=False)

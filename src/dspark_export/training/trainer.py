@@ -39,7 +39,7 @@ from ..modeling.drafter import DSparkDrafter, init_drafter
 from ..progress import Eta
 from .calibration import replay_rounds
 from .features import FeatureCache
-from .objective import LossWeights, dspark_loss, make_batch, response_logsumexp
+from .objective import CE_LABELS, LossWeights, dspark_loss, make_batch, response_targets
 
 __all__ = ["TrainConfig", "train_drafter", "drafter_config_for", "lr_path_from_metrics"]
 
@@ -92,6 +92,9 @@ class TrainConfig:
     #: sampling weight per record domain ({"code": 2.5}: a code record is drawn 2.5 times as often; domains not
     #: named weigh 1); None = every record alike. `train_drafter` then needs each record's domain.
     domain_weights: dict | None = None
+    #: CE's label per draft slot (`objective.CE_LABELS`): "token", the record's next token, or "argmax", the target's
+    #: own argmax there (what greedy verification accepts; differs from the token on records sampled at T > 0)
+    ce_labels: str = "token"
 
     def __post_init__(self):
         if self.variant not in ("dspark", "dflash"):
@@ -106,6 +109,8 @@ class TrainConfig:
                               f"found {self.draft_vocab!r}")
         if self.domain_weights is not None:
             check_domain_weights(self.domain_weights, "TrainConfig.domain_weights")
+        if self.ce_labels not in CE_LABELS:
+            raise ConfigError(f"TrainConfig.ce_labels: expected one of {list(CE_LABELS)}, found {self.ce_labels!r}")
 
 
 def drafter_config_for(target, cfg: TrainConfig) -> DrafterConfig:
@@ -285,6 +290,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
         saved.setdefault("draft_vocab", None)  # states written before the draft-vocabulary loss
         saved.setdefault("init_from", None)  # states written before warm starts
         saved.setdefault("domain_weights", None)  # states written before domain-weighted sampling
+        saved.setdefault("ce_labels", "token")  # states written before argmax CE labels
         if saved != mine:
             raise ConfigError(f"{state_path}: saved for another config; differing fields "
                               f"{sorted(k for k in mine if saved.get(k) != mine[k])}")
@@ -342,7 +348,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
               if line.strip()} if checkpoints.is_file() else set()
 
     W_head = drafter.lm_head.weight.detach()
-    lse_memo: dict[int, np.ndarray] = {}  # sequence index → its response rows' full-vocabulary logsumexp [T]
+    lse_memo: dict[int, tuple] = {}  # sequence index → its response rows' (logsumexp [T], argmax [T]) over V
 
     t0, seen = time.perf_counter(), 0
     if cfg.init_from and step == 0 and (eval_cache is None or 0 not in logged):
@@ -362,12 +368,14 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                     s = cache[int(i)]
                     if len(s.tokens) > cfg.max_seq_len:
                         s.tokens, s.aux, s.last = (a[:cfg.max_seq_len] for a in (s.tokens, s.aux, s.last))
-                    if d2t is not None:
+                    if d2t is not None or cfg.ce_labels == "argmax":
                         if int(i) not in lse_memo:
-                            lse_memo[int(i)] = response_logsumexp(s, W_head, bf16=cfg.bf16)
-                        s.t_lse = lse_memo[int(i)]
+                            lse_memo[int(i)] = response_targets(s, W_head, bf16=cfg.bf16)
+                        lse, top = lse_memo[int(i)]
+                        s.t_lse = lse if d2t is not None else None
+                        s.t_argmax = top if cfg.ce_labels == "argmax" else None
                     seqs.append(s)
-                batch = make_batch(seqs, cfg.anchors_per_seq, dcfg.block_size, rng)
+                batch = make_batch(seqs, cfg.anchors_per_seq, dcfg.block_size, rng, ce_labels=cfg.ce_labels)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 loss, metrics = dspark_loss(drafter, batch, cfg.loss, bf16=cfg.bf16, d2t=d2t)
