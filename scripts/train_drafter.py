@@ -280,7 +280,7 @@ def cmd_train(args, say):
                       seed=args.seed, threads=args.threads, save_every=args.save_every, draft_vocab=size, bf16=args.bf16,
                       block_size=args.block_size, init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
                       domain_weights=domain_weights, loss=loss_weights,
-                      ce_labels=args.ce_labels)
+                      ce_labels=args.ce_labels, target_head=args.target_head)
     t0 = time.perf_counter()
     schedule = lr_path_from_metrics(args.lr_from) if args.lr_from else None
     eval_dir = Path(args.run) / "features" / "calibration"
@@ -495,6 +495,10 @@ def parse_args(argv=None):
                    help="CE's label per draft slot: the record's next token (default) or the target's own argmax "
                         "there, computed from the cached final hidden (what greedy verification accepts; the two "
                         "differ on records the target sampled at T > 0)")
+    p.add_argument("--target-head", choices=("fp32", "int4", "int8", "w8a8"), default="fp32",
+                   help="the LM head the target's distribution is computed with: fp32 (default) or the engines' "
+                        "--weights format, whose quantized head (dequantized) is what verifies the drafts; use the "
+                        "format of the engine that wrote the features")
     p.add_argument("--init-from", metavar="DRAFTER_DIR",
                    help="start the run from a trained drafter of the same architecture (e.g. the shipped one; "
                         "γ may differ; --layers may exceed its depth: the new layers start as no-ops) instead of a "

@@ -275,7 +275,8 @@ class FusedVocabLoss(torch.autograd.Function):
     Forward inputs: h [M, H] float32 (draft hidden), W [V, H] float32 (frozen LM head, no gradient),
     a [M, r] float32 and W2 [V, r] float32 (Markov head: W1[prev] and W2; both may be empty, r = 0),
     t [M, H] float32 (target final hidden, no gradient), labels [M] int64, chunk (rows per chunk),
-    bf16 (the two H-wide matmuls in bfloat16, as autocast would), t_lse [M] float32 or None. Outputs: ce [M]
+    bf16 (the two H-wide matmuls in bfloat16, as autocast would), t_lse [M] float32 or None, Wt [V, H] float32 or
+    None (the head of the target's logits q when it is not W: `dspark_loss(target_head=)`). Outputs: ce [M]
     and l1 [M] float32 (differentiable), argmax [M] int64 of the draft logits and P_out [M] float32 (zeros
     without t_lse) (not differentiable). Saved
     for backward: p [M, V] in the matmul dtype and sign(p − q) [M, V] int8.
@@ -288,26 +289,26 @@ class FusedVocabLoss(torch.autograd.Function):
     Raises:
         ValueError: chunk is not an integer >= 1.
 
-    With z = h·Wᵀ + a·W2ᵀ, p = softmax(z), q = softmax(t·Wᵀ), s = sign(p − q):
+    With z = h·Wᵀ + a·W2ᵀ, p = softmax(z), q = softmax(t·Wtᵀ) (Wt = W unless given), s = sign(p − q):
         ce = logsumexp(z) − z[label]            ∂ce/∂z = p − onehot(label)
         l1 = Σ|p − q|                           ∂l1/∂z = p ⊙ (s − ⟨p, s⟩)
     and ∂/∂h = ∂/∂z·W, ∂/∂a = ∂/∂z·W2, ∂/∂W2 = (∂/∂z)ᵀ·a.
     """
 
     @staticmethod
-    def _chunk(h, W, a, W2, t, lo, hi, t_lse=None):
-        mm_dtype = W.dtype   # the caller passes W already in the matmul dtype
+    def _chunk(h, W, a, W2, t, lo, hi, t_lse=None, Wt=None):
+        mm_dtype = W.dtype   # the caller passes W (and Wt) already in the matmul dtype
         z = (h[lo:hi].to(mm_dtype) @ W.T).float()
         if a.shape[1]:
             z = z + a[lo:hi] @ W2.T
-        tz = (t[lo:hi].to(mm_dtype) @ W.T).float()
+        tz = (t[lo:hi].to(mm_dtype) @ (W if Wt is None else Wt).T).float()
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         p = torch.exp(z - lse)
         q = torch.softmax(tz, dim=-1) if t_lse is None else torch.exp(tz - t_lse[lo:hi, None])
         return z, lse, p, q
 
     @staticmethod
-    def forward(ctx, h, W, a, W2, t, labels, chunk: int, bf16: bool, t_lse=None):
+    def forward(ctx, h, W, a, W2, t, labels, chunk: int, bf16: bool, t_lse=None, Wt=None):
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"FusedVocabLoss: chunk must be an integer >= 1 rows, found {chunk!r}")
         M, V = h.shape[0], W.shape[0]
@@ -319,9 +320,10 @@ class FusedVocabLoss(torch.autograd.Function):
         P, sign, ps = torch.empty(M, V, dtype=keep_dtype), torch.empty(M, V, dtype=torch.int8), torch.empty(M, 1)
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             Wc = W.to(torch.bfloat16) if bf16 else W
+            Wtc = None if Wt is None else (Wt.to(torch.bfloat16) if bf16 else Wt)
             for lo in range(0, M, chunk):
                 hi = min(M, lo + chunk)
-                z, lse, p, q = FusedVocabLoss._chunk(h, Wc, a, W2, t, lo, hi, t_lse)
+                z, lse, p, q = FusedVocabLoss._chunk(h, Wc, a, W2, t, lo, hi, t_lse, Wtc)
                 ce[lo:hi] = torch.where(inside[lo:hi],
                                         lse[:, 0] - z.gather(1, labels[lo:hi, None].clamp(min=0))[:, 0], 0.0)
                 d = p - q
@@ -361,14 +363,17 @@ class FusedVocabLoss(torch.autograd.Function):
                 if a.shape[1]:
                     ga[lo:hi] = gz @ W2
                     gW2 += gz.T @ a[lo:hi]
-        return gh, None, ga, gW2, None, None, None, None, None
+        return gh, None, ga, gW2, None, None, None, None, None, None
 
 def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights = LossWeights(),
                 bf16: bool = False, *, fused: bool = True, chunk: int = 128,
-                d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                d2t: torch.Tensor | None = None, target_head: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of one batch (formulas in the module docstring).
 
     Args:
+        target_head: the head [V, H] of the target's distribution p_t (None = the drafter's shared head). Why:
+            a quantized engine verifies with its own quantized head, whose argmax leaves the float head's at
+            near-ties (`trainer.target_head_weight`); the batch's t_lse / ce_labels must come from the same head.
         d2t: the draft vocabulary [N] int64 (distinct token ids; None = the full vocabulary): logits and
             losses over its N rows plus the pooled bucket (module docstring). The batch's ``t_lse`` is used
             when present, else computed here from the full head (one [M, V] product, no gradient).
@@ -404,14 +409,17 @@ def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights 
         else:
             a, W2 = hidden.new_zeros(hidden.shape[:-1].numel(), 0), hidden.new_zeros(V, 0)
         t_flat, t_lse = t_hidden.reshape(-1, H).float(), None
+        Wt = None if target_head is None else target_head.detach().float()
         if d2t is not None:
+            full_t = drafter.lm_head.weight.detach() if Wt is None else Wt
             W, W2 = W[d2t], W2.index_select(0, d2t)  # autograd scatters W2's gradient back to its d2t rows
+            Wt = None if Wt is None else Wt[d2t]
             if batch.t_lse is not None:
                 t_lse = torch.gather(batch.t_lse, 1, pos.reshape(pos.shape[0], -1)).reshape(-1)
             else:
-                t_lse = target_logsumexp(t_flat, drafter.lm_head.weight.detach(), bf16=bf16, chunk=chunk)
+                t_lse = target_logsumexp(t_flat, full_t, bf16=bf16, chunk=chunk)
         ce, l1, top, out_mass = FusedVocabLoss.apply(hidden.reshape(-1, H), W, a, W2, t_flat, labels.reshape(-1),
-                                                     chunk, bf16, t_lse)
+                                                     chunk, bf16, t_lse, Wt)
         ce, l1, argmax = ce.reshape(w.shape), l1.reshape(w.shape), top.reshape(w.shape)
         if d2t is not None:
             bucket = out_mass.reshape(w.shape)
@@ -422,7 +430,8 @@ def dspark_loss(drafter: DSparkDrafter, batch: TrainBatch, weights: LossWeights 
             if drafter.markov_head is not None:
                 logits = logits + drafter.markov_head(prev).float()
             with torch.no_grad():
-                t_logits = drafter.lm_head(t_hidden).float().reshape(logits.shape)
+                t_logits = (drafter.lm_head(t_hidden) if target_head is None else
+                            t_hidden.float() @ target_head.detach().float().T).float().reshape(logits.shape)
         p_t = torch.softmax(t_logits, dim=-1)
         if d2t is not None:
             logits, p_t = logits[..., d2t], p_t[..., d2t]

@@ -41,7 +41,7 @@ from .calibration import replay_rounds
 from .features import FeatureCache
 from .objective import CE_LABELS, LossWeights, dspark_loss, make_batch, response_targets
 
-__all__ = ["TrainConfig", "train_drafter", "drafter_config_for", "lr_path_from_metrics"]
+__all__ = ["TrainConfig", "train_drafter", "drafter_config_for", "lr_path_from_metrics", "target_head_weight", "TARGET_HEADS"]
 
 
 #: The weights `TrainConfig.domain_weights` accepts: within it no draw probability underflows to 0 and no sum
@@ -95,6 +95,9 @@ class TrainConfig:
     #: CE's label per draft slot (`objective.CE_LABELS`): "token", the record's next token, or "argmax", the target's
     #: own argmax there (what greedy verification accepts; differs from the token on records sampled at T > 0)
     ce_labels: str = "token"
+    #: the LM head the target's distribution, logsumexp and argmax are computed with (`target_head_weight`): "fp32"
+    #: (the shared float head) or the engines' `--weights` format, whose quantized head verifies the drafts
+    target_head: str = "fp32"
 
     def __post_init__(self):
         if self.variant not in ("dspark", "dflash"):
@@ -109,6 +112,8 @@ class TrainConfig:
                               f"found {self.draft_vocab!r}")
         if self.domain_weights is not None:
             check_domain_weights(self.domain_weights, "TrainConfig.domain_weights")
+        if self.target_head not in TARGET_HEADS:
+            raise ConfigError(f"TrainConfig.target_head: expected one of {list(TARGET_HEADS)}, found {self.target_head!r}")
         if self.ce_labels not in CE_LABELS:
             raise ConfigError(f"TrainConfig.ce_labels: expected one of {list(CE_LABELS)}, found {self.ce_labels!r}")
 
@@ -225,6 +230,31 @@ def _pick_probabilities(cfg: TrainConfig, domains: list[str] | None, num_records
     return weights / weights.sum()
 
 
+#: `TrainConfig.target_head` values: the float head, or a target weight format (`exporter.quantize.WEIGHT_FORMATS`)
+TARGET_HEADS = ("fp32", "int4", "int8", "w8a8")
+
+
+def target_head_weight(W: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The LM head [V, H] float32 that a target built with `--weights fmt` verifies with: W itself for "fp32";
+    for "int4" / "int8" MatMulNBits' blocks (`quantize_blocks`, ONNX Runtime's quantizer) dequantized; for
+    "w8a8" the per-row int8 weights (`quantize_rows_int8`) times their scales. Why: a quantized engine's greedy
+    token leaves the float head's argmax at near-ties (on SmolLM2's int4 default, 4.8 % of greedy response
+    positions, against 0.5 % with this head; reports/drafter/v10-target-head/), so a drafter trained on the
+    float head learns the wrong token there. The kernels' int8 activations are not modelled."""
+    if fmt not in TARGET_HEADS:
+        raise ConfigError(f"target head: expected one of {list(TARGET_HEADS)}, found {fmt!r}")
+    if fmt == "fp32":
+        return W
+    from ..exporter.quantize import WeightFormat, dequantize_blocks, quantize_blocks, quantize_rows_int8
+
+    w = W.detach().float().numpy()
+    if fmt == "w8a8":
+        w_q, scale = quantize_rows_int8(w)          # [H, V] int8, [V]
+        return torch.from_numpy((w_q.T.astype(np.float32) * scale[:, None]).astype(np.float32))
+    f = WeightFormat(fmt)
+    return torch.from_numpy(np.ascontiguousarray(dequantize_blocks(*quantize_blocks(w.T, f), f, w.shape[1]).T))
+
+
 def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Callable[[str], None] | None = None,
                   *, stop_at: int | None = None, time_budget_s: float | None = None,
                   lr_schedule: Callable[[int], float] | None = None, d2t=None,
@@ -291,6 +321,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
         saved.setdefault("init_from", None)  # states written before warm starts
         saved.setdefault("domain_weights", None)  # states written before domain-weighted sampling
         saved.setdefault("ce_labels", "token")  # states written before argmax CE labels
+        saved.setdefault("target_head", "fp32")  # states written before quantized target heads
         if saved != mine:
             raise ConfigError(f"{state_path}: saved for another config; differing fields "
                               f"{sorted(k for k in mine if saved.get(k) != mine[k])}")
@@ -347,7 +378,8 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
     logged = {json.loads(line)["step"] for line in checkpoints.read_text(encoding="utf-8").splitlines()
               if line.strip()} if checkpoints.is_file() else set()
 
-    W_head = drafter.lm_head.weight.detach()
+    W_head = target_head_weight(drafter.lm_head.weight.detach(), cfg.target_head)
+    target_head = None if cfg.target_head == "fp32" else W_head
     lse_memo: dict[int, tuple] = {}  # sequence index → its response rows' (logsumexp [T], argmax [T]) over V
 
     t0, seen = time.perf_counter(), 0
@@ -378,7 +410,7 @@ def train_drafter(target, cache: FeatureCache, cfg: TrainConfig, progress: Calla
                 batch = make_batch(seqs, cfg.anchors_per_seq, dcfg.block_size, rng, ce_labels=cfg.ce_labels)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
-                loss, metrics = dspark_loss(drafter, batch, cfg.loss, bf16=cfg.bf16, d2t=d2t)
+                loss, metrics = dspark_loss(drafter, batch, cfg.loss, bf16=cfg.bf16, d2t=d2t, target_head=target_head)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
