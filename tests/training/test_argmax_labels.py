@@ -8,22 +8,11 @@ import pytest
 import torch
 
 from dspark_export.errors import ConfigError
-from dspark_export.modeling.config import DrafterConfig
-from dspark_export.modeling.drafter import init_drafter
-from dspark_export.training.objective import (dspark_loss, make_batch, response_logsumexp, response_targets,
+from dspark_export.training.objective import (make_batch, response_logsumexp, response_targets,
                                               target_logsumexp)
 from dspark_export.training.trainer import TrainConfig, train_drafter
 
-
-def _drafter(train_target, seed=5):
-    cfg = DrafterConfig.from_target(train_target.config, num_draft_layers=1, block_size=4, markov_rank=8,
-                                    enable_confidence_head=True, confidence_head_with_markov=True)
-    drafter = init_drafter(train_target, cfg, seed=seed).train()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(seed)))
-    return drafter
+from .test_draft_vocab_loss import _drafter, _loss_and_grads
 
 
 def _seqs(feature_cache, W, n=3):
@@ -31,13 +20,6 @@ def _seqs(feature_cache, W, n=3):
     for s in seqs:
         s.t_lse, s.t_argmax = response_targets(s, W)
     return seqs
-
-
-def _loss_and_grads(drafter, batch, **kw):
-    drafter.zero_grad(set_to_none=True)
-    loss, metrics = dspark_loss(drafter, batch, bf16=False, **kw)
-    loss.backward()
-    return loss.detach(), metrics, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
 
 
 def test_response_targets_are_the_full_vocabulary_argmax_and_logsumexp(train_target, feature_cache):

@@ -10,28 +10,10 @@ import torch
 
 from dspark_export.errors import ConfigError
 from dspark_export.exporter.quantize import WeightFormat, dequantize_blocks, quantize_blocks, quantize_rows_int8
-from dspark_export.modeling.config import DrafterConfig
-from dspark_export.modeling.drafter import init_drafter
 from dspark_export.training.objective import dspark_loss, make_batch, response_targets
 from dspark_export.training.trainer import TrainConfig, target_head_weight, train_drafter
 
-
-def _drafter(train_target, seed=5):
-    cfg = DrafterConfig.from_target(train_target.config, num_draft_layers=1, block_size=4, markov_rank=8,
-                                    enable_confidence_head=True, confidence_head_with_markov=True)
-    drafter = init_drafter(train_target, cfg, seed=seed).train()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(seed)))
-    return drafter
-
-
-def _loss_and_grads(drafter, batch, **kw):
-    drafter.zero_grad(set_to_none=True)
-    loss, metrics = dspark_loss(drafter, batch, bf16=False, **kw)
-    loss.backward()
-    return loss.detach(), metrics, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+from .test_draft_vocab_loss import _drafter, _loss_and_grads
 
 
 def test_target_heads_are_the_exporters_formats_dequantized():
