@@ -74,7 +74,7 @@ def step_table(dirs: dict[str, Path], buckets: list[int], context: int, rounds: 
 
 
 def _category(node: str, op: str) -> str:
-    if op in ("MatMulNBits", "Gemm") or "_proj" in node or "/lm_head" in node:
+    if op in ("MatMulNBits", "MatMulW4A8", "Gemm") or "_proj" in node or "/lm_head" in node:
         return "weights"
     if "/attn" in node:
         return "attention"

@@ -32,6 +32,8 @@ from .errors import BuildError, ConfigError, ProfileError
 from .exporter.drafter import LAYER_WEIGHTS, export_drafter
 from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat, check_exact_context, int8_gemm_saturates
 from .exporter.target import export_target
+from .plugins import matmul_w4a8
+from .plugins.matmul_w4a8 import INT4_KERNELS
 from .exporter.verify import export_verify
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,9 @@ class BuildConfig:
         drafter_weights: the drafter layers' weights (`exporter.drafter.quantize_drafter_layers`): "auto" (the
             shipped drafter's committed format, any other drafter float32: exact drafting), "float32", "int8",
             "int4" or "w8a8".
+        int4_kernel: the kernel of the int4 linear layers, target's and drafter's (`plugins.matmul_w4a8`):
+            "w4a8" (default: dspark.cpu::MatMulW4A8, compiled on first use; cheap verification rows) or
+            "matmulnbits" (ONNX Runtime's own MatMulNBits; plain ONNX Runtime loads the graphs).
         overwrite: replace an existing engine directory at `out`.
     """
 
@@ -130,6 +135,7 @@ class BuildConfig:
     drafter_weights: str = "auto"
     overwrite: bool = False
     weights: str | None = None
+    int4_kernel: str = "w4a8"
 
     def __post_init__(self):
         for name in ("target_buckets", "request_buckets"):
@@ -150,6 +156,8 @@ class BuildConfig:
         if self.drafter_weights not in ("auto", *LAYER_WEIGHTS):
             raise ConfigError(f"drafter_weights: expected one of {['auto', *LAYER_WEIGHTS]}, found "
                               f"{self.drafter_weights!r}")
+        if self.int4_kernel not in INT4_KERNELS:
+            raise ConfigError(f"int4_kernel: expected one of {list(INT4_KERNELS)}, found {self.int4_kernel!r}")
         if self.profile_repeats < 1:
             raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
         if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):
@@ -295,9 +303,11 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     if "w8a8" in (weights, layer_weights) and int8_gemm_saturates():
         say("warning: this CPU has no AVX-VNNI/AVX512-VNNI/AMX: ONNX Runtime's u8 x s8 GEMM saturates here, so "
             "w8a8 layers lose accuracy (outputs stay lossless to ar); --weights int4 --drafter-weights int4 avoid it")
-    graphs = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights)
+    graphs = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights, cfg.int4_kernel)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
+    if any(matmul_w4a8.graph_uses_w4a8(root / g["path"]) for g in graphs.values()):
+        manifest.data["plugins"][f"{matmul_w4a8.DOMAIN}::{matmul_w4a8.OP}"] = 1  # the runtime compiles it on load
     if vocab_info is not None:
         manifest.data["draft_vocab"] = vocab_info
     _write_engines(manifest, cfg)
@@ -412,7 +422,7 @@ def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
 
 
 def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str = "fp32", d2t=None,
-                   layer_weights: str = "float32") -> dict:
+                   layer_weights: str = "float32", int4_kernel: str = "matmulnbits") -> dict:
     graph_dir.mkdir(parents=True, exist_ok=True)
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
                                     graph_dir / "target.onnx", weights)
@@ -421,6 +431,9 @@ def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str =
                                      target_graph=t_files[0], lm_head_dtype=drafter_lm_head,
                                      target_weights=weights, d2t=d2t, layer_weights=layer_weights)
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
+    if int4_kernel == "w4a8":
+        for path in (t_files[0], *(f for f in d_files if f.suffix == ".onnx")):
+            matmul_w4a8.use_w4a8_file(path)
     rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731
     entry = lambda files, spec: {"path": rel(files[0]), "data": rel(files[1]) if len(files) > 1 else None,  # noqa: E731
                                  "spec": spec}

@@ -14,17 +14,30 @@ from onnx import helper, numpy_helper
 from dspark_export.engines.packing import Segment, pack_segments
 from dspark_export.errors import ConfigError
 from dspark_export.exporter.quantize import (WeightFormat, dequantize_blocks, quantize_blocks)
-from dspark_export.exporter.target import build_target_graph
+from dspark_export.exporter.target import build_target_graph as _build_target_graph
+from dspark_export.plugins import matmul_w4a8
 
 TAPS = (1, 2)
 QUANT = ("int4", "int8", "w8a8")
 BLOCK_QUANT = ("int4", "int8")   # MatMulNBits formats
+W4A8 = "int4-w4a8"               # the int4 graph with its MatMulNBits nodes run by dspark.cpu::MatMulW4A8
+
+
+def build_target_graph(model, taps, weights, fused=None):
+    """`exporter.target.build_target_graph`, plus W4A8: the int4 graph as `build --int4-kernel w4a8` saves it."""
+    if weights != W4A8:
+        return _build_target_graph(model, taps, weights, fused)
+    proto, spec = _build_target_graph(model, taps, "int4", fused)
+    assert matmul_w4a8.use_w4a8(proto) > 0
+    return proto, spec
 
 
 def _session(proto, threads: int = 2) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = threads
+    if matmul_w4a8.graph_uses_w4a8(proto):
+        matmul_w4a8.register(so)
     return ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -234,7 +247,7 @@ def test_fused_float_graph_equals_the_standard_one(tiny_target):
     assert np.abs(a["logits"] - b["logits"]).max() < 1e-4
 
 
-@pytest.mark.parametrize("weights", QUANT)
+@pytest.mark.parametrize("weights", (*QUANT, W4A8))
 def test_quantized_graph_tracks_the_float_one(tiny_target, weights):
     std, spec = build_target_graph(tiny_target, TAPS, "fp32")
     quant, _ = build_target_graph(tiny_target, TAPS, weights)
@@ -243,10 +256,10 @@ def test_quantized_graph_tracks_the_float_one(tiny_target, weights):
     feed = _feed(spec, segs, 4, lens, bucket, past)
     a, b = _run(_session(std), feed), _run(_session(quant), feed)
     corr = np.corrcoef(a["logits"].ravel(), b["logits"].ravel())[0, 1]
-    assert np.isfinite(b["logits"]).all() and corr > (0.95 if weights == "int4" else 0.999), corr
+    assert np.isfinite(b["logits"]).all() and corr > (0.95 if weights.startswith("int4") else 0.999), corr
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8", "w8a8", "fp32-fused"])
+@pytest.mark.parametrize("weights", ["int4", W4A8, "int8", "w8a8", "fp32-fused"])
 def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
     """Request 0 alone (bucket 1 and padded to 8) and packed beside three others (prefill, verify and decode rows
     with large activations) gives the same logits, features and K/V to float rounding: every kernel is row-local
@@ -263,7 +276,7 @@ def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
     padded = _run(sess, _feed(spec, [mine], 4, [9, 20, 0, 30], 8, past))
     packed = _run(sess, _feed(spec, [mine] + others, 4, [9, 20, 0, 30], 32, past))
     for out in (padded, packed):
-        if weights in QUANT:  # exact attention sums (target.py): bitwise, not just to rounding
+        if weights in (*QUANT, W4A8):  # exact attention sums (target.py): bitwise, not just to rounding
             for name in ("logits", "aux_hidden", "new_key.3"):
                 np.testing.assert_array_equal(out[name][0], alone[name][0])
         assert np.abs(out["logits"][0] - alone["logits"][0]).max() <= 1e-5 * max(1.0, np.abs(alone["logits"]).max())
@@ -287,7 +300,7 @@ def tiny_mha():
     return make_tiny_target("llama", seed=3, num_key_value_heads=4, head_dim=64)
 
 
-@pytest.mark.parametrize("weights", QUANT)
+@pytest.mark.parametrize("weights", (*QUANT, W4A8))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_mha"])
 def test_verification_rows_equal_decode_rows_bitwise(request, model, weights, layout):
@@ -326,11 +339,13 @@ BUCKETS = dict(target_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19, 20, 21]]
 
 
-@pytest.fixture(scope="module", params=QUANT)
+@pytest.fixture(scope="module", params=(*QUANT, "int4-matmulnbits"))
 def quant_engine_dir(request, build_tiny_engine_dir):
-    # drafter layers in w8a8 as the shipped drafter builds them, so spec == ar covers both quantized graphs
-    return request.param, build_tiny_engine_dir(f"engines-{request.param}", weights=request.param,
-                                                drafter_weights="w8a8", **BUCKETS)
+    # drafter layers in w8a8 as the shipped drafter builds them, so spec == ar covers both quantized graphs;
+    # int4 runs on both kernels (`--int4-kernel`: the default w4a8 and ONNX Runtime's MatMulNBits)
+    weights, _, kernel = request.param.partition("-")
+    return weights, build_tiny_engine_dir(f"engines-{request.param}", weights=weights, drafter_weights="w8a8",
+                                          int4_kernel=kernel or "w4a8", **BUCKETS)
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +413,9 @@ def test_quantized_engine_directory(quant_engine_dir, float_engine_dir):
     weights, engine_dir = quant_engine_dir
     m = Manifest.load(engine_dir)
     assert m.data["graphs"]["target"]["spec"]["weights"] == weights
+    w4a8 = weights == "int4" and m.data["build_config"]["int4_kernel"] == "w4a8"
+    assert matmul_w4a8.graph_uses_w4a8(engine_dir / "graphs" / "target.onnx") == w4a8
+    assert ("dspark.cpu::MatMulW4A8" in m.data["plugins"]) == w4a8
     block = onnx.load(str(engine_dir / "graphs" / "drafter_block.onnx"), load_external_data=False)
     [gather] = [n for n in block.graph.node if n.op_type == "GatherBlockQuantized"]
     shared = {i.name: {e.key: e.value for e in i.external_data} for i in block.graph.initializer
@@ -461,7 +479,8 @@ def test_gguf_type_we_cannot_dequantize_is_named(tmp_path):
         load_target(path)
 
 
-@pytest.mark.parametrize("weights, op", [("int4", "MatMulNBits"), ("w8a8", "MatMulIntegerToFloat")])
+@pytest.mark.parametrize("weights, op", [("int4", "MatMulNBits"), (W4A8, "MatMulW4A8"),
+                                        ("w8a8", "MatMulIntegerToFloat")])
 def test_tensorrt_lowering_refuses_a_quantized_graph_by_name(tiny_llama, weights, op):
     from dspark_export.engines.trt.lowering import lower_model
     from dspark_export.errors import BuildError

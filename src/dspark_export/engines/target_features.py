@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..exporter.quantize import EXACT_MAX_KEYS, aligned
+from ..plugins import matmul_w4a8
 from .manifest import Manifest
 
 __all__ = ["EngineFeatures"]
@@ -40,7 +41,8 @@ def _feature_graph(path: Path):
     while name in producer and (not chain or chain[-1].op_type in ("Identity", "Reshape")):
         chain.append(producer[name])
         name = chain[-1].input[0]
-    if not chain or chain[-1].op_type not in ("Gemm", "MatMul", "MatMulNBits", "FusedMatMul", "MatMulIntegerToFloat"):
+    if not chain or chain[-1].op_type not in ("Gemm", "MatMul", "MatMulNBits", "MatMulW4A8", "FusedMatMul",
+                                             "MatMulIntegerToFloat"):
         raise ConfigError(f"{path}: expected 'logits' to come from the LM head's GEMM, found "
                           f"{[n.op_type for n in chain]}")
     normed = chain[-1].input[0]
@@ -204,6 +206,8 @@ class EngineFeatures:
         so.log_severity_level = 3
         so.intra_op_num_threads = int(threads)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if matmul_w4a8.graph_uses_w4a8(model):
+            matmul_w4a8.register(so)
         self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
     def features(self, tokens) -> tuple[np.ndarray, np.ndarray]:

@@ -35,6 +35,7 @@ import onnxruntime as ort
 from onnx.external_data_helper import uses_external_data
 
 from ...errors import EngineDirError
+from ...plugins import matmul_w4a8
 from ..runner import EngineRunner
 from ..manifest import EngineKey
 
@@ -193,6 +194,8 @@ class SharedSession:
 def _create_session(graph_path: Path, so: ort.SessionOptions, weights: "WeightStore", what: str):
     for name in weights.names_for(graph_path):
         so.add_initializer(name, weights.value(name))
+    if matmul_w4a8.graph_uses_w4a8(graph_path):
+        matmul_w4a8.register(so)
     try:
         return ort.InferenceSession(str(graph_path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types

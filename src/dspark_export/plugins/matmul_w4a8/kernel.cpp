@@ -1,0 +1,461 @@
+// dspark.cpu::MatMulW4A8: y = x @ Wᵀ for int4 block-quantized weights and int8 activation blocks, row-local.
+//
+// Inputs are MatMulNBits' (bits 4, block 32, symmetric, no zero points): B [N, K/32, 16] uint8 (two 4-bit
+// values per byte, the even k in the low nibble), scales [N, K/32] (or flat) float32; W[n, k] =
+// scales[n, k/32] · (q[n, k] − 8). x [..., K] float32 -> y [..., N] float32.
+//
+// Arithmetic (MatMulNBits' accuracy_level 4, MLAS CompInt8): each row of x is quantized to int8 per block of
+// 32, scale_x = max|x| / 127, q_x = round-half-even(x · 127 / max|x|); per block the int32 sum
+// Σ q_w·q_x − 8·Σ q_x is exact, and y accumulates fma(float(sum), scale_x · scale_w, y) over the blocks in
+// increasing order. Every output element is computed by one thread with that one sequence whatever the row
+// count or the thread split, so a row's output is bitwise the same alone or packed with others, and the
+// AVX512-VNNI path equals the portable one bit for bit (fma and float(int32) are exact-rounded in both).
+//
+// Why not MatMulNBits: its kernel costs about one one-row pass per extra row (compute-bound past two rows on
+// AVX512 CPUs: reports/quant/block-size/), so each verification row costs ~14 % of a decode step. Here the
+// weights are unpacked once per 16-column tile and block and reused for up to 8 rows (vpdpbusd, u8 weights
+// 0..15 × s8 activations), so a row costs the int8 dot products only.
+//
+// ONNX Runtime's C API is reached through the slot indices of its OrtApi table (onnxruntime_c_api.h: the
+// table only ever appends, so an index holds for every later version) and the OrtCustomOp layout;
+// `RegisterCustomOps` is the entry point `SessionOptions.register_custom_ops_library` calls.
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define W4A8_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // input features per quantization block
+constexpr int64_t kTile = 16;    // output features per tile (one 512-bit vector of int32 sums)
+constexpr int64_t kRows = 8;     // rows that share one unpacked tile block
+constexpr int64_t kTileBlockBytes = kTile * kBlock / 2;  // 256
+
+// ---- the packed layout -------------------------------------------------------------------------------------
+// For tile t (columns 16t..16t+15) and block b, 256 bytes: 4 groups of 64, group j holding for column c and
+// u = 0..3 at byte 4c+u the weight of k = 32b + 4j + u in the low nibble and k = 32b + 4(j+4) + u in the high
+// nibble. One 64-byte load then gives, after a mask and a shift, the u8 operands of two vpdpbusd (16 columns
+// × 4 consecutive k). Scales are [tiles, blocks, 16].
+
+struct Packed {
+  int64_t n = 0, k = 0;
+  std::vector<uint8_t> w;
+  std::vector<float> s;
+};
+
+std::shared_ptr<Packed> pack(const uint8_t* b, const float* scales, int64_t n, int64_t k) {
+  auto p = std::make_shared<Packed>();
+  const int64_t nb = k / kBlock, tiles = n / kTile;
+  p->n = n;
+  p->k = k;
+  p->w.assign(static_cast<size_t>(tiles * nb * kTileBlockBytes), 0);
+  p->s.assign(static_cast<size_t>(tiles * nb * kTile), 0.f);
+  auto q = [&](int64_t col, int64_t kk) -> uint8_t {
+    const uint8_t byte = b[(col * nb + kk / kBlock) * (kBlock / 2) + (kk % kBlock) / 2];
+    return (kk % 2) ? (byte >> 4) : (byte & 15);
+  };
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      uint8_t* dst = p->w.data() + (t * nb + blk) * kTileBlockBytes;
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t c = 0; c < kTile; ++c)
+          for (int64_t u = 0; u < 4; ++u) {
+            const int64_t col = t * kTile + c, k0 = blk * kBlock + 4 * j + u;
+            dst[64 * j + 4 * c + u] = static_cast<uint8_t>(q(col, k0) | (q(col, k0 + 16) << 4));
+          }
+      for (int64_t c = 0; c < kTile; ++c) p->s[(t * nb + blk) * kTile + c] = scales[(t * kTile + c) * nb + blk];
+    }
+  return p;
+}
+
+// Packed copies are shared by every kernel that sees the same weight bytes (the engines' per-bucket sessions
+// share one set of initializers), and freed with the last kernel holding them.
+std::mutex g_cache_mutex;
+std::map<std::pair<const void*, const void*>, std::weak_ptr<Packed>> g_cache;
+
+std::shared_ptr<Packed> packed_for(const uint8_t* b, const float* scales, int64_t n, int64_t k) {
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  auto key = std::make_pair(static_cast<const void*>(b), static_cast<const void*>(scales));
+  auto it = g_cache.find(key);
+  if (it != g_cache.end())
+    if (auto p = it->second.lock())
+      if (p->n == n && p->k == k) return p;
+  auto p = pack(b, scales, n, k);
+  g_cache[key] = p;
+  return p;
+}
+
+// ---- activations ---------------------------------------------------------------------------------------------
+
+void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
+  const int64_t nb = k / kBlock;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float* p = x + m * k + blk * kBlock;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(p[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(p[i] * inv));
+        xq[m * k + blk * kBlock + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      xs[m * nb + blk] = amax / 127.f;
+      xsum[m * nb + blk] = sum;
+    }
+}
+
+struct Problem {
+  const int8_t* xq;
+  const float* xs;
+  const int32_t* xsum;
+  int64_t m, k, n;
+  const Packed* w;
+  float* y;
+};
+
+// ---- the tile kernels: columns [16t, 16t+16) of every row ------------------------------------------------------
+
+void tiles_portable(const Problem& p, int64_t t0, int64_t t1) {
+  const int64_t nb = p.k / kBlock;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t m = 0; m < p.m; ++m)
+      for (int64_t c = 0; c < kTile; ++c) {
+        float acc = 0.f;
+        for (int64_t blk = 0; blk < nb; ++blk) {
+          const uint8_t* wb = p.w->w.data() + (t * nb + blk) * kTileBlockBytes;
+          const int8_t* xb = p.xq + m * p.k + blk * kBlock;
+          int32_t sum = 0;
+          for (int64_t j = 0; j < 4; ++j)
+            for (int64_t u = 0; u < 4; ++u) {
+              const uint8_t byte = wb[64 * j + 4 * c + u];
+              sum += static_cast<int32_t>(byte & 15) * xb[4 * j + u];
+              sum += static_cast<int32_t>(byte >> 4) * xb[4 * (j + 4) + u];
+            }
+          sum -= 8 * p.xsum[m * nb + blk];
+          const float scale = p.xs[m * nb + blk] * p.w->s[(t * nb + blk) * kTile + c];
+          acc = std::fma(static_cast<float>(sum), scale, acc);
+        }
+        p.y[m * p.n + t * kTile + c] = acc;
+      }
+}
+
+#ifdef W4A8_X86
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512vnni(const Problem& p, int64_t t0,
+                                                                              int64_t t1) {
+  const int64_t nb = p.k / kBlock;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = p.w->w.data() + t * nb * kTileBlockBytes;
+    const float* st = p.w->s.data() + t * nb * kTile;
+    for (int64_t m0 = 0; m0 < p.m; m0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, p.m - m0);
+      __m512 acc[kRows];
+      for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        __m512i w[8];
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_loadu_si512(static_cast<const void*>(wt + blk * kTileBlockBytes + 64 * j));
+          w[j] = _mm512_and_si512(v, low);
+          w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        const __m512 sw = _mm512_loadu_ps(st + blk * kTile);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t m = m0 + r;
+          int32_t xb[8];
+          std::memcpy(xb, p.xq + m * p.k + blk * kBlock, sizeof(xb));
+          __m512i sum = _mm512_setzero_si512();
+          for (int j = 0; j < 8; ++j) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(xb[j]));
+          sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * p.xsum[m * nb + blk]));
+          const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p.xs[m * nb + blk]), sw);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(p.y + (m0 + r) * p.n + t * kTile, acc[r]);
+    }
+  }
+}
+#endif
+
+using TileFn = void (*)(const Problem&, int64_t, int64_t);
+
+TileFn choose_tiles() {
+#ifdef W4A8_X86
+  const char* force = std::getenv("DSPARK_W4A8_PORTABLE");
+  if (!(force && force[0] == '1') && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return tiles_avx512vnni;
+#endif
+  return tiles_portable;
+}
+
+const TileFn g_tiles = choose_tiles();
+
+// ---- the ONNX Runtime C API, by slot ---------------------------------------------------------------------------
+
+struct OrtStatus;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtValue;
+struct OrtTensorTypeAndShapeInfo;
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+struct OrtApi;
+using Status = OrtStatus*;
+
+struct OrtApiBase {
+  const void* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+enum Slot : int {  // indices into OrtApi (function pointers)
+  kCreateStatus = 0,
+  kCreateCustomOpDomain = 26,
+  kCustomOpDomainAdd = 27,
+  kAddCustomOpDomain = 28,
+  kGetTensorMutableData = 51,
+  kGetTensorElementType = 60,
+  kGetDimensionsCount = 61,
+  kGetDimensions = 62,
+  kGetTensorTypeAndShape = 65,
+  kKernelContextGetInput = 90,
+  kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
+  kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelContextParallelFor = 274,
+};
+constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor and OrtCustomOp's fields up to GetMayInplace
+
+const void* const* g_api = nullptr;
+
+template <typename F>
+F api(Slot s) {
+  return reinterpret_cast<F>(const_cast<void*>(g_api[s]));
+}
+
+Status make_error(const std::string& msg) {
+  return api<Status (*)(int, const char*)>(kCreateStatus)(2 /* ORT_INVALID_ARGUMENT */, msg.c_str());
+}
+
+#define W4A8_TRY(expr)            \
+  do {                            \
+    if (Status st_ = (expr)) return st_; \
+  } while (0)
+
+Status shape_of(const OrtValue* v, std::vector<int64_t>& dims, int& elem_type) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  W4A8_TRY(api<Status (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(v, &info));
+  size_t count = 0;
+  Status st = api<Status (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &count);
+  if (!st) {
+    dims.assign(count, 0);
+    st = api<Status (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, dims.data(),
+                                                                                           count);
+  }
+  if (!st) st = api<Status (*)(const OrtTensorTypeAndShapeInfo*, int*)>(kGetTensorElementType)(info, &elem_type);
+  api<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+  return st;
+}
+
+struct Kernel {
+  std::mutex mutex;
+  std::shared_ptr<Packed> packed;
+};
+
+struct ParallelJob {
+  const Problem* p;
+  int64_t tiles_per_task, tiles;
+};
+
+void run_tasks(void* data, size_t i) {
+  auto* job = static_cast<ParallelJob*>(data);
+  const int64_t t0 = static_cast<int64_t>(i) * job->tiles_per_task;
+  g_tiles(*job->p, t0, std::min(job->tiles, t0 + job->tiles_per_task));
+}
+
+constexpr int kFloat = 1, kUint8 = 2;
+
+Status compute(void* state, OrtKernelContext* ctx) {
+  auto* kernel = static_cast<Kernel*>(state);
+  const OrtValue *x = nullptr, *b = nullptr, *s = nullptr;
+  auto get_input = api<Status (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput);
+  W4A8_TRY(get_input(ctx, 0, &x));
+  W4A8_TRY(get_input(ctx, 1, &b));
+  W4A8_TRY(get_input(ctx, 2, &s));
+  std::vector<int64_t> xd, bd, sd;
+  int xt = 0, bt = 0, st = 0;
+  W4A8_TRY(shape_of(x, xd, xt));
+  W4A8_TRY(shape_of(b, bd, bt));
+  W4A8_TRY(shape_of(s, sd, st));
+  if (xt != kFloat || bt != kUint8 || st != kFloat)
+    return make_error("MatMulW4A8: expected x float32, B uint8, scales float32");
+  if (bd.size() != 3 || bd[2] != kBlock / 2 || bd[0] % kTile != 0)
+    return make_error("MatMulW4A8: B must be [N, K/32, 16] uint8 with N a multiple of 16 (int4, block 32)");
+  const int64_t n = bd[0], nb = bd[1], k = nb * kBlock;
+  int64_t s_count = 1;
+  for (int64_t d : sd) s_count *= d;
+  if (s_count != n * nb) return make_error("MatMulW4A8: scales must hold N*K/32 = " + std::to_string(n * nb) +
+                                           " values, found " + std::to_string(s_count));
+  if (xd.empty() || xd.back() != k)
+    return make_error("MatMulW4A8: x's last dimension must be K = " + std::to_string(k) + ", found " +
+                      (xd.empty() ? std::string("a scalar") : std::to_string(xd.back())));
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) m *= xd[i];
+  std::vector<int64_t> yd = xd;
+  yd.back() = n;
+  OrtValue* y = nullptr;
+  W4A8_TRY(api<Status (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
+      ctx, 0, yd.data(), yd.size(), &y));
+  void *xp = nullptr, *bp = nullptr, *sp = nullptr, *yp = nullptr;
+  auto data = api<Status (*)(OrtValue*, void**)>(kGetTensorMutableData);
+  W4A8_TRY(data(const_cast<OrtValue*>(x), &xp));
+  W4A8_TRY(data(const_cast<OrtValue*>(b), &bp));
+  W4A8_TRY(data(const_cast<OrtValue*>(s), &sp));
+  W4A8_TRY(data(y, &yp));
+  if (m == 0) return nullptr;
+
+  std::shared_ptr<Packed> packed;
+  {
+    std::lock_guard<std::mutex> lock(kernel->mutex);
+    if (!kernel->packed || kernel->packed->n != n || kernel->packed->k != k)
+      kernel->packed = packed_for(static_cast<const uint8_t*>(bp), static_cast<const float*>(sp), n, k);
+    packed = kernel->packed;
+  }
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> xsum;
+  xq.resize(static_cast<size_t>(m * k));
+  xs.resize(static_cast<size_t>(m * nb));
+  xsum.resize(static_cast<size_t>(m * nb));
+  quantize_rows(static_cast<const float*>(xp), 0, m, k, xq.data(), xs.data(), xsum.data());
+  Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), static_cast<float*>(yp)};
+  const int64_t tiles = n / kTile;
+  // tasks of at least ~32k multiply-adds per row block, so small layers do not pay for scheduling
+  const int64_t per_task = std::max<int64_t>(1, (32768 / (kTile * k)) + 1);
+  ParallelJob job{&p, per_task, tiles};
+  const size_t tasks = static_cast<size_t>((tiles + per_task - 1) / per_task);
+  using ParallelFor = Status (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
+  return api<ParallelFor>(kKernelContextParallelFor)(ctx, run_tasks, tasks, 0, &job);
+}
+
+// ---- OrtCustomOp -----------------------------------------------------------------------------------------------
+
+struct CustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const CustomOp*, const void*, const OrtKernelInfo*);
+  const char* (*GetName)(const CustomOp*);
+  const char* (*GetExecutionProviderType)(const CustomOp*);
+  int (*GetInputType)(const CustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const CustomOp*);
+  int (*GetOutputType)(const CustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const CustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const CustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const CustomOp*, size_t);
+  int (*GetInputMemoryType)(const CustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const CustomOp*);
+  int (*GetVariadicInputHomogeneity)(const CustomOp*);
+  int (*GetVariadicOutputMinArity)(const CustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const CustomOp*);
+  Status (*CreateKernelV2)(const CustomOp*, const void*, const OrtKernelInfo*, void**);
+  Status (*KernelComputeV2)(void*, OrtKernelContext*);
+  Status (*InferOutputShapeFn)(const CustomOp*, void*);
+  int (*GetStartVersion)(const CustomOp*);
+  int (*GetEndVersion)(const CustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+
+CustomOp make_op() {
+  CustomOp op{};
+  op.version = kApiVersion;
+  op.CreateKernel = [](const CustomOp*, const void*, const OrtKernelInfo*) -> void* { return new Kernel(); };
+  op.GetName = [](const CustomOp*) { return "MatMulW4A8"; };
+  op.GetExecutionProviderType = [](const CustomOp*) -> const char* { return "CPUExecutionProvider"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return i == 1 ? kUint8 : kFloat; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 3; };
+  op.GetOutputType = [](const CustomOp*, size_t) { return kFloat; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
+  op.KernelCompute = [](void* k, OrtKernelContext* ctx) {
+    if (Status st = compute(k, ctx)) api<void (*)(Status)>(kReleaseStatus)(st);
+  };
+  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.CreateKernelV2 = [](const CustomOp*, const void*, const OrtKernelInfo*, void** out) -> Status {
+    *out = new Kernel();
+    return nullptr;
+  };
+  op.KernelComputeV2 = compute;
+  op.InferOutputShapeFn = nullptr;
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
+  op.GetMayInplace = [](int**, int**) -> size_t { return 0; };
+  op.ReleaseMayInplace = [](int*, int*) {};
+  op.GetAliasMap = [](int**, int**) -> size_t { return 0; };
+  op.ReleaseAliasMap = [](int*, int*) {};
+  return op;
+}
+
+CustomOp g_op = make_op();
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                    const OrtApiBase* base) {
+  const void* table = base->GetApi(kApiVersion);
+  if (!table) return nullptr;  // older than API 18: ONNX Runtime then fails on the unknown op, naming it
+  g_api = static_cast<const void* const*>(table);
+  static OrtCustomOpDomain* domain = nullptr;  // one per process; ONNX Runtime keeps a reference per session
+  static std::mutex m;
+  std::lock_guard<std::mutex> lock(m);
+  if (!domain) {
+    W4A8_TRY(api<Status (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("dspark.cpu", &domain));
+    W4A8_TRY(api<Status (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(domain, &g_op));
+  }
+  return api<Status (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+}
+
+// Direct entry points for tests and benchmarks (numpy through ctypes), same arithmetic as the op.
+__attribute__((visibility("default"))) void dspark_w4a8_matmul(const float* x, int64_t m, int64_t k, int64_t n,
+                                                              const uint8_t* b, const float* scales, float* y,
+                                                              int portable) {
+  auto packed = pack(b, scales, n, k);
+  const int64_t nb = k / kBlock;
+  std::vector<int8_t> xq(static_cast<size_t>(m * k));
+  std::vector<float> xs(static_cast<size_t>(m * nb));
+  std::vector<int32_t> xsum(static_cast<size_t>(m * nb));
+  quantize_rows(x, 0, m, k, xq.data(), xs.data(), xsum.data());
+  Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), y};
+  (portable ? tiles_portable : g_tiles)(p, 0, n / kTile);
+}
+
+__attribute__((visibility("default"))) int dspark_w4a8_vectorized() { return g_tiles != tiles_portable; }
+
+}  // extern "C"
