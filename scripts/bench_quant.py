@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_export.plugins import matmul_w4a8
+
 
 def _engines(path: Path, threads: int):
     from dspark_export.engines.engine_set import EngineSet
@@ -98,6 +100,8 @@ def breakdown(path: Path, context: int, threads: int, runs: int) -> dict:
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort")
     for name in weights.names_for(graph):
         so.add_initializer(name, weights.value(name))
+    if matmul_w4a8.graph_uses_w4a8(graph):
+        matmul_w4a8.register(so)
     sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
     outputs = [o.name for o in sess.get_outputs()]
     for _ in range(3):
