@@ -32,9 +32,8 @@ from .errors import BuildError, ConfigError, ProfileError
 from .exporter.drafter import LAYER_WEIGHTS, export_drafter
 from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat, check_exact_context, int8_gemm_saturates
 from .exporter.target import export_target
-from .plugins import matmul_w4a8
-from .plugins.matmul_w4a8 import INT4_KERNELS
 from .exporter.verify import export_verify
+from .plugins import matmul_w4a8
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +155,9 @@ class BuildConfig:
         if self.drafter_weights not in ("auto", *LAYER_WEIGHTS):
             raise ConfigError(f"drafter_weights: expected one of {['auto', *LAYER_WEIGHTS]}, found "
                               f"{self.drafter_weights!r}")
-        if self.int4_kernel not in INT4_KERNELS:
-            raise ConfigError(f"int4_kernel: expected one of {list(INT4_KERNELS)}, found {self.int4_kernel!r}")
+        if self.int4_kernel not in matmul_w4a8.INT4_KERNELS:
+            raise ConfigError(f"int4_kernel: expected one of {list(matmul_w4a8.INT4_KERNELS)}, found "
+                              f"{self.int4_kernel!r}")
         if self.profile_repeats < 1:
             raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
         if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):

@@ -432,6 +432,17 @@ def test_quantized_engine_directory(quant_engine_dir, float_engine_dir):
 
 # -- choices and bad input -------------------------------------------------------------------------------
 
+def test_unknown_int4_kernel_is_named(tmp_path, capsys):
+    from dspark_export.cli import main
+    from dspark_export.pipeline import BuildConfig
+
+    with pytest.raises(ConfigError, match=r"int4_kernel.*\['w4a8', 'matmulnbits'\].*'mlas'"):
+        BuildConfig(out=tmp_path / "x", int4_kernel="mlas")
+    with pytest.raises(SystemExit):
+        main(["build", "--out", str(tmp_path / "y"), "--int4-kernel", "mlas"])
+    assert "--int4-kernel" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
 def test_unknown_weight_format_is_named(tmp_path):
     from dspark_export.pipeline import BuildConfig
 

@@ -85,13 +85,14 @@ def test_op_computes_matmulnbits_arithmetic(k, n):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_output_is_bitwise_the_same_at_any_row_count(threads):
-    """Rows 0..M-1 packed give row for row the bits each row gives alone, for M across the 8-row tiles."""
+    """Rows 0..M-1 packed give row for row the bits each row gives alone, for M across the 8-row tiles and the
+    32-row tasks (whose activations are quantized in parallel)."""
     k, n = 576, 1536
     packed, scales = _weights(k, n, seed=2)
     sess = _session(_model(k, n, packed, scales), threads)
-    x = _rows(20, k, seed=3)
-    alone = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(20)])
-    for m in (2, 5, 8, 9, 16, 20):
+    x = _rows(72, k, seed=3)
+    alone = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(72)])
+    for m in (2, 5, 8, 9, 16, 20, 33, 72):
         np.testing.assert_array_equal(sess.run(None, {"x": x[:m]})[0], alone[:m], err_msg=f"M = {m}")
     np.testing.assert_array_equal(sess.run(None, {"x": x[7:13]})[0], alone[7:13])
 
@@ -100,7 +101,9 @@ def test_portable_path_equals_the_vectorized_one_bitwise():
     if not matmul_w4a8.vectorized():
         pytest.skip("this CPU has no AVX512-VNNI: only the portable path runs here")
     packed, scales = _weights(576, 256, seed=4)
-    x = _rows(11, 576, seed=5)
+    x = _rows(41, 576, seed=5)
+    x[5] = np.float32(1e-30)     # a tiny-but-nonzero block scale
+    x[6, :32] = np.r_[127.0, np.arange(31) - 14.5]   # max 127: x·127/max lands on halves, ties round to even
     np.testing.assert_array_equal(matmul_w4a8.matmul_w4a8_numpy(x, packed, scales, portable=True),
                                   matmul_w4a8.matmul_w4a8_numpy(x, packed, scales))
 

@@ -241,8 +241,8 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
     contrib = sorted({n.op_type for n in out.graph.node if n.domain in ("com.microsoft", "dspark.cpu")})
     if contrib:  # MatMulNBits / MatMulW4A8, GatherBlockQuantized, the fused ops of a quantized build (quantize.py)
         raise BuildError(f"{name}: ONNX Runtime contrib and CPU custom ops {contrib} have no TensorRT import "
-                         "(an engine directory "
-                         "built with --weights or --drafter-weights int4, int8 or w8a8); build it with `dspark-export build "
+                         "(an engine directory built with --weights or --drafter-weights int4, int8 or w8a8); "
+                         "build it with `dspark-export build "
                          "--weights fp32 --drafter-weights float32` for the TensorRT backend")
     result.int8_heads = lower_int8_heads(out.graph, name)
     result.draft_vocab_nodes = expand_draft_vocab(out.graph, name)

@@ -102,7 +102,8 @@ std::shared_ptr<Packed> packed_for(const uint8_t* b, const float* scales, int64_
 
 // ---- activations ---------------------------------------------------------------------------------------------
 
-void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
+void quantize_rows_portable(const float* x, int64_t m0, int64_t m1, int64_t k, int8_t* xq, float* xs,
+                            int32_t* xsum) {
   const int64_t nb = k / kBlock;
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t blk = 0; blk < nb; ++blk) {
@@ -132,10 +133,10 @@ struct Problem {
 
 // ---- the tile kernels: columns [16t, 16t+16) of every row ------------------------------------------------------
 
-void tiles_portable(const Problem& p, int64_t t0, int64_t t1) {
+void tiles_portable(const Problem& p, int64_t t0, int64_t t1, int64_t r0, int64_t r1) {
   const int64_t nb = p.k / kBlock;
   for (int64_t t = t0; t < t1; ++t)
-    for (int64_t m = 0; m < p.m; ++m)
+    for (int64_t m = r0; m < r1; ++m)
       for (int64_t c = 0; c < kTile; ++c) {
         float acc = 0.f;
         for (int64_t blk = 0; blk < nb; ++blk) {
@@ -157,15 +158,37 @@ void tiles_portable(const Problem& p, int64_t t0, int64_t t1) {
 }
 
 #ifdef W4A8_X86
+// the same per-block steps as quantize_rows_portable: max|x| (exact in any order), 127/max, x·(127/max) rounded
+// to nearest even (MXCSR's default, as nearbyint), the scale max/127
+__attribute__((target("avx512f,avx512bw"))) void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1,
+                                                                     int64_t k, int8_t* xq, float* xs,
+                                                                     int32_t* xsum) {
+  const int64_t nb = k / kBlock;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float* p = x + m * k + blk * kBlock;
+      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512 vinv = _mm512_set1_ps(inv);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vinv));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vinv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * k + blk * kBlock), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * k + blk * kBlock + 16), _mm512_cvtsepi32_epi8(qb));
+      xs[m * nb + blk] = amax / 127.f;
+      xsum[m * nb + blk] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512vnni(const Problem& p, int64_t t0,
-                                                                              int64_t t1) {
+                                                                              int64_t t1, int64_t r0, int64_t r1) {
   const int64_t nb = p.k / kBlock;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = p.w->w.data() + t * nb * kTileBlockBytes;
     const float* st = p.w->s.data() + t * nb * kTile;
-    for (int64_t m0 = 0; m0 < p.m; m0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, p.m - m0);
+    for (int64_t m0 = r0; m0 < r1; m0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, r1 - m0);
       __m512 acc[kRows];
       for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t blk = 0; blk < nb; ++blk) {
@@ -193,19 +216,26 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512vnni(con
 }
 #endif
 
-using TileFn = void (*)(const Problem&, int64_t, int64_t);
+using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
+using QuantizeFn = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
 
-TileFn choose_tiles() {
+bool use_avx512() {
 #ifdef W4A8_X86
   const char* force = std::getenv("DSPARK_W4A8_PORTABLE");
-  if (!(force && force[0] == '1') && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vnni"))
-    return tiles_avx512vnni;
+  return !(force && force[0] == '1') && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
 #endif
-  return tiles_portable;
 }
 
-const TileFn g_tiles = choose_tiles();
+#ifdef W4A8_X86
+const TileFn g_tiles = use_avx512() ? tiles_avx512vnni : tiles_portable;
+const QuantizeFn g_quantize = use_avx512() ? quantize_rows_avx512 : quantize_rows_portable;
+#else
+const TileFn g_tiles = tiles_portable;
+const QuantizeFn g_quantize = quantize_rows_portable;
+#endif
 
 // ---- the ONNX Runtime C API, by slot ---------------------------------------------------------------------------
 
@@ -278,15 +308,28 @@ struct Kernel {
   std::shared_ptr<Packed> packed;
 };
 
+// Work splits into tasks of (tile group × row group); each output element still belongs to one task, computed by
+// the one sequence above, so the split never changes a bit.
+constexpr int64_t kRowsPerTask = 32;
+
 struct ParallelJob {
   const Problem* p;
-  int64_t tiles_per_task, tiles;
+  const float* x;
+  int64_t tiles_per_task, tiles, tile_groups;
 };
 
-void run_tasks(void* data, size_t i) {
+void run_tiles(void* data, size_t i) {
   auto* job = static_cast<ParallelJob*>(data);
-  const int64_t t0 = static_cast<int64_t>(i) * job->tiles_per_task;
-  g_tiles(*job->p, t0, std::min(job->tiles, t0 + job->tiles_per_task));
+  const int64_t g = static_cast<int64_t>(i) % job->tile_groups, r = static_cast<int64_t>(i) / job->tile_groups;
+  const int64_t t0 = g * job->tiles_per_task, r0 = r * kRowsPerTask;
+  g_tiles(*job->p, t0, std::min(job->tiles, t0 + job->tiles_per_task), r0, std::min(job->p->m, r0 + kRowsPerTask));
+}
+
+void run_quantize(void* data, size_t i) {
+  auto* job = static_cast<ParallelJob*>(data);
+  const Problem& p = *job->p;
+  const int64_t r0 = static_cast<int64_t>(i) * kRowsPerTask, r1 = std::min(p.m, r0 + kRowsPerTask);
+  g_quantize(job->x, r0, r1, p.k, const_cast<int8_t*>(p.xq), const_cast<float*>(p.xs), const_cast<int32_t*>(p.xsum));
 }
 
 constexpr int kFloat = 1, kUint8 = 2;
@@ -343,15 +386,19 @@ Status compute(void* state, OrtKernelContext* ctx) {
   xq.resize(static_cast<size_t>(m * k));
   xs.resize(static_cast<size_t>(m * nb));
   xsum.resize(static_cast<size_t>(m * nb));
-  quantize_rows(static_cast<const float*>(xp), 0, m, k, xq.data(), xs.data(), xsum.data());
   Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), static_cast<float*>(yp)};
   const int64_t tiles = n / kTile;
-  // tasks of at least ~32k multiply-adds per row block, so small layers do not pay for scheduling
+  // tile groups of at least ~32k multiply-adds per row, so small layers do not pay for scheduling
   const int64_t per_task = std::max<int64_t>(1, (32768 / (kTile * k)) + 1);
-  ParallelJob job{&p, per_task, tiles};
-  const size_t tasks = static_cast<size_t>((tiles + per_task - 1) / per_task);
+  const int64_t groups = (tiles + per_task - 1) / per_task, row_groups = (m + kRowsPerTask - 1) / kRowsPerTask;
+  ParallelJob job{&p, static_cast<const float*>(xp), per_task, tiles, groups};
   using ParallelFor = Status (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
-  return api<ParallelFor>(kKernelContextParallelFor)(ctx, run_tasks, tasks, 0, &job);
+  auto parallel_for = api<ParallelFor>(kKernelContextParallelFor);
+  if (row_groups > 1)
+    W4A8_TRY(parallel_for(ctx, run_quantize, static_cast<size_t>(row_groups), 0, &job));
+  else
+    run_quantize(&job, 0);
+  return parallel_for(ctx, run_tiles, static_cast<size_t>(groups * row_groups), 0, &job);
 }
 
 // ---- OrtCustomOp -----------------------------------------------------------------------------------------------
@@ -395,6 +442,7 @@ CustomOp make_op() {
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 3; };
   op.GetOutputType = [](const CustomOp*, size_t) { return kFloat; };
   op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
+  // ONNX Runtime calls KernelComputeV2 (it reports errors) when version >= 16; this V1 entry only fills the slot
   op.KernelCompute = [](void* k, OrtKernelContext* ctx) {
     if (Status st = compute(k, ctx)) api<void (*)(Status)>(kReleaseStatus)(st);
   };
@@ -451,9 +499,9 @@ __attribute__((visibility("default"))) void dspark_w4a8_matmul(const float* x, i
   std::vector<int8_t> xq(static_cast<size_t>(m * k));
   std::vector<float> xs(static_cast<size_t>(m * nb));
   std::vector<int32_t> xsum(static_cast<size_t>(m * nb));
-  quantize_rows(x, 0, m, k, xq.data(), xs.data(), xsum.data());
+  (portable ? quantize_rows_portable : g_quantize)(x, 0, m, k, xq.data(), xs.data(), xsum.data());
   Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), y};
-  (portable ? tiles_portable : g_tiles)(p, 0, n / kTile);
+  (portable ? tiles_portable : g_tiles)(p, 0, n / kTile, 0, m);
 }
 
 __attribute__((visibility("default"))) int dspark_w4a8_vectorized() { return g_tiles != tiles_portable; }
