@@ -1,11 +1,12 @@
-"""dspark::MatMulW4A8: MatMulNBits' int4 product with cheap extra rows, as an ONNX Runtime custom op (CPU).
+"""dspark.cpu::MatMulW4A8: MatMulNBits' int4 product with cheap extra rows, as an ONNX Runtime custom op (CPU).
 
 The op reads MatMulNBits' own inputs (bits 4, block 32, symmetric: B [N, K/32, 16] uint8, scales [N, K/32]
 float32) and computes what MatMulNBits at ``accuracy_level`` 4 computes (int8 activations per row and block of
 32, exact int32 block sums), so an engine switches kernels by renaming nodes (`use_w4a8`). What differs is the
 cost of rows: the kernel (`kernel.cpp`) unpacks each 16-column weight block once and reuses it for up to 8
-rows, so a verification block of 8 rows costs ~1.5 one-row passes instead of ~4.5 (reports/quant/w4a8/). A
-row's output is bitwise the same alone or packed with others, at any row count and thread count.
+rows, so the LM head's extra row costs about a quarter of MatMulNBits' and the SmolLM2 target's 8-token pass
+1.8 one-token passes instead of 2.4 (reports/quant/w4a8/). A row's output is bitwise the same alone or packed
+with others, at any row count and thread count.
 
 The library is compiled from `kernel.cpp` by the system C++ compiler on first use and cached under
 ``$DSPARK_CACHE_DIR`` (default ``~/.cache/dspark-export``), keyed by the source's hash, like Triton's or

@@ -21,7 +21,6 @@
 // `RegisterCustomOps` is the entry point `SessionOptions.register_custom_ops_library` calls.
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
