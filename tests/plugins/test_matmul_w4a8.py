@@ -175,3 +175,17 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch):
         assert not list((tmp_path / "ops").glob("*.so"))
     finally:
         matmul_w4a8.library_path.cache_clear()
+
+
+def test_unwritable_cache_falls_back_to_the_temp_directory(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(blocker))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    matmul_w4a8.library_path.cache_clear()
+    try:
+        path = matmul_w4a8.library_path()
+        assert path.exists() and path.is_relative_to(tmp_path / "tmp")
+    finally:
+        matmul_w4a8.library_path.cache_clear()

@@ -54,9 +54,16 @@ def library_path() -> Path:
     """
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    out = _cache_dir() / "ops" / f"libdspark_w4a8-{tag}.so"
+    name = f"libdspark_w4a8-{tag}.so"
+    out = _cache_dir() / "ops" / name
     if out.exists():
         return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:   # a read-only or odd home: build in the temp directory instead
+        out = Path(tempfile.gettempdir()) / f"dspark-export-{os.getuid()}" / "ops" / name
+        if out.exists():
+            return out
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         raise EngineDirError(f"{OP}: no C++ compiler found to build {SOURCE.name} (set CXX, install g++, or "
