@@ -100,8 +100,7 @@ def breakdown(path: Path, context: int, threads: int, runs: int) -> dict:
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort")
     for name in weights.names_for(graph):
         so.add_initializer(name, weights.value(name))
-    if matmul_w4a8.graph_uses_w4a8(graph):
-        matmul_w4a8.register(so)
+    matmul_w4a8.register_for(so, graph)
     sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
     outputs = [o.name for o in sess.get_outputs()]
     for _ in range(3):

@@ -58,8 +58,7 @@ def main(argv=None) -> int:
         so = ort.SessionOptions()
         so.intra_op_num_threads = args.threads
         so.log_severity_level = 3
-        if matmul_w4a8.graph_uses_w4a8(path):
-            matmul_w4a8.register(so)
+        matmul_w4a8.register_for(so, path)
         sessions.append(ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]))
     for rows in (int(r) for r in args.rows.split(",")):
         feeds = [feed_for(s, rows, args.context, args.capacity, args.slots) for s in sessions]

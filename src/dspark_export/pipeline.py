@@ -303,10 +303,11 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     if "w8a8" in (weights, layer_weights) and int8_gemm_saturates():
         say("warning: this CPU has no AVX-VNNI/AVX512-VNNI/AMX: ONNX Runtime's u8 x s8 GEMM saturates here, so "
             "w8a8 layers lose accuracy (outputs stay lossless to ar); --weights int4 --drafter-weights int4 avoid it")
-    graphs = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights, cfg.int4_kernel)
+    graphs, w4a8_nodes = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights,
+                                        cfg.int4_kernel)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
-    if any(matmul_w4a8.graph_uses_w4a8(root / g["path"]) for g in graphs.values()):
+    if w4a8_nodes:
         manifest.data["plugins"][f"{matmul_w4a8.DOMAIN}::{matmul_w4a8.OP}"] = 1  # the runtime compiles it on load
     if vocab_info is not None:
         manifest.data["draft_vocab"] = vocab_info
@@ -422,7 +423,9 @@ def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
 
 
 def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str = "fp32", d2t=None,
-                   layer_weights: str = "float32", int4_kernel: str = "matmulnbits") -> dict:
+                   layer_weights: str = "float32", int4_kernel: str = "matmulnbits") -> tuple[dict, int]:
+    """Export target, drafter and verify graphs into `graph_dir`; returns their manifest entries and how many
+    int4 nodes became MatMulW4A8 (`int4_kernel` "w4a8")."""
     graph_dir.mkdir(parents=True, exist_ok=True)
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
                                     graph_dir / "target.onnx", weights)
@@ -431,18 +434,20 @@ def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str =
                                      target_graph=t_files[0], lm_head_dtype=drafter_lm_head,
                                      target_weights=weights, d2t=d2t, layer_weights=layer_weights)
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
+    w4a8_nodes = 0
     if int4_kernel == "w4a8":
         for path in (t_files[0], *(f for f in d_files if f.suffix == ".onnx")):
-            matmul_w4a8.use_w4a8_file(path)
+            w4a8_nodes += matmul_w4a8.use_w4a8_file(path)
     rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731
     entry = lambda files, spec: {"path": rel(files[0]), "data": rel(files[1]) if len(files) > 1 else None,  # noqa: E731
                                  "spec": spec}
-    return {
+    graphs = {
         "target": entry(t_files, t_spec.to_dict()),
         "drafter_context": entry([f for f in d_files if "drafter_context" in f.name], d_spec.to_dict()),
         "drafter_block": entry([f for f in d_files if "drafter_block" in f.name], d_spec.to_dict()),
         "verify": entry(v_files, {"block_size": d_spec.block_size}),
     }
+    return graphs, w4a8_nodes
 
 
 def _write_engines(manifest: Manifest, cfg: BuildConfig) -> None:

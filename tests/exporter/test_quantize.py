@@ -36,8 +36,7 @@ def _session(proto, threads: int = 2) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = threads
-    if matmul_w4a8.graph_uses_w4a8(proto):
-        matmul_w4a8.register(so)
+    matmul_w4a8.register_for(so, proto)
     return ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 

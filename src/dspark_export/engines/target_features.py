@@ -206,8 +206,7 @@ class EngineFeatures:
         so.log_severity_level = 3
         so.intra_op_num_threads = int(threads)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if matmul_w4a8.graph_uses_w4a8(model):
-            matmul_w4a8.register(so)
+        matmul_w4a8.register_for(so, model)
         self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
     def features(self, tokens) -> tuple[np.ndarray, np.ndarray]:

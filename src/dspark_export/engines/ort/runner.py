@@ -58,6 +58,7 @@ class WeightStore:
         self._values: dict[str, ort.OrtValue] = {}
         self._arrays: dict[str, np.ndarray] = {}  # keeps the memory maps alive
         self._by_graph: dict[Path, list[str]] = {}
+        self._w4a8: dict[Path, bool] = {}   # graphs with dspark.cpu::MatMulW4A8 nodes (need its library)
 
     def names_for(self, graph_path: Path) -> list[str]:
         graph_path = Path(graph_path).resolve()
@@ -65,11 +66,16 @@ class WeightStore:
             self._by_graph[graph_path] = self._map_graph(graph_path)
         return self._by_graph[graph_path]
 
+    def uses_w4a8(self, graph_path: Path) -> bool:
+        self.names_for(graph_path)
+        return self._w4a8[Path(graph_path).resolve()]
+
     def _map_graph(self, graph_path: Path) -> list[str]:
         try:
             model = onnx.load(str(graph_path), load_external_data=False)
         except Exception as e:  # onnx raises DecodeError/OSError/... for a damaged file
             raise EngineDirError(f"{graph_path}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+        self._w4a8[graph_path] = matmul_w4a8.graph_uses_w4a8(model)
         names = []
         for init in model.graph.initializer:
             if not uses_external_data(init):
@@ -194,7 +200,7 @@ class SharedSession:
 def _create_session(graph_path: Path, so: ort.SessionOptions, weights: "WeightStore", what: str):
     for name in weights.names_for(graph_path):
         so.add_initializer(name, weights.value(name))
-    if matmul_w4a8.graph_uses_w4a8(graph_path):
+    if weights.uses_w4a8(graph_path):
         matmul_w4a8.register(so)
     try:
         return ort.InferenceSession(str(graph_path), so, providers=["CPUExecutionProvider"])

@@ -30,7 +30,7 @@ import onnx
 
 from ...errors import ConfigError, EngineDirError
 
-__all__ = ["DOMAIN", "OP", "library_path", "register", "graph_uses_w4a8", "use_w4a8", "use_w4a8_file", "INT4_KERNELS", "matmul_w4a8_numpy",
+__all__ = ["DOMAIN", "OP", "library_path", "register", "register_for", "graph_uses_w4a8", "use_w4a8", "use_w4a8_file", "INT4_KERNELS", "matmul_w4a8_numpy",
            "vectorized"]
 
 DOMAIN = "dspark.cpu"  #: apart from "dspark", whose ops are ONNX functions the graphs carry
@@ -83,8 +83,14 @@ def library_path() -> Path:
 
 
 def register(so) -> None:
-    """Make `so` (onnxruntime.SessionOptions) know the dspark domain."""
+    """Make `so` (onnxruntime.SessionOptions) know the dspark.cpu domain."""
     so.register_custom_ops_library(str(library_path()))
+
+
+def register_for(so, graph: str | Path | onnx.ModelProto) -> None:
+    """`register` when `graph` has MatMulW4A8 nodes (so graphs without it never need the compiler)."""
+    if graph_uses_w4a8(graph):
+        register(so)
 
 
 def graph_uses_w4a8(graph: str | Path | onnx.ModelProto) -> bool:

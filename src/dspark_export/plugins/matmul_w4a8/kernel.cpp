@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -94,6 +95,8 @@ std::shared_ptr<Packed> packed_for(const uint8_t* b, const float* scales, int64_
   if (it != g_cache.end())
     if (auto p = it->second.lock())
       if (p->n == n && p->k == k) return p;
+  for (auto e = g_cache.begin(); e != g_cache.end();)   // forget weights whose kernels are all gone
+    e = e->second.expired() ? g_cache.erase(e) : std::next(e);
   auto p = pack(b, scales, n, k);
   g_cache[key] = p;
   return p;
@@ -122,9 +125,9 @@ void quantize_rows_portable(const float* x, int64_t m0, int64_t m1, int64_t k, i
 }
 
 struct Problem {
-  const int8_t* xq;
-  const float* xs;
-  const int32_t* xsum;
+  int8_t* xq;      // [m, k] int8 activations, written by the quantize tasks, read by the tile tasks
+  float* xs;       // [m, k/32] their scales
+  int32_t* xsum;   // [m, k/32] their block sums
   int64_t m, k, n;
   const Packed* w;
   float* y;
@@ -282,8 +285,8 @@ Status make_error(const std::string& msg) {
   return api<Status (*)(int, const char*)>(kCreateStatus)(2 /* ORT_INVALID_ARGUMENT */, msg.c_str());
 }
 
-#define W4A8_TRY(expr)            \
-  do {                            \
+#define W4A8_TRY(expr)                   \
+  do {                                   \
     if (Status st_ = (expr)) return st_; \
   } while (0)
 
@@ -328,7 +331,7 @@ void run_quantize(void* data, size_t i) {
   auto* job = static_cast<ParallelJob*>(data);
   const Problem& p = *job->p;
   const int64_t r0 = static_cast<int64_t>(i) * kRowsPerTask, r1 = std::min(p.m, r0 + kRowsPerTask);
-  g_quantize(job->x, r0, r1, p.k, const_cast<int8_t*>(p.xq), const_cast<float*>(p.xs), const_cast<int32_t*>(p.xsum));
+  g_quantize(job->x, r0, r1, p.k, p.xq, p.xs, p.xsum);
 }
 
 constexpr int kFloat = 1, kUint8 = 2;
