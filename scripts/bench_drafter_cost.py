@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_export.plugins import matmul_w4a8
+from dspark_export.plugins import cpu_ops
 
 
 def _session(model_or_path, threads: int):
@@ -39,7 +39,7 @@ def _session(model_or_path, threads: int):
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
     data = model_or_path if isinstance(model_or_path, str) else model_or_path.SerializeToString()
-    matmul_w4a8.register_for(so, model_or_path)
+    cpu_ops.register_for(so, model_or_path)
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
@@ -67,7 +67,7 @@ def _profile(model, feed: dict, runs: int) -> dict:
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = 1, 1, 3
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort")
-    matmul_w4a8.register_for(so, model)
+    cpu_ops.register_for(so, model)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     warm = 3
     for _ in range(warm + runs):

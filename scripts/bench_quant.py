@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_export.plugins import matmul_w4a8
+from dspark_export.plugins import cpu_ops
 
 
 def _engines(path: Path, threads: int):
@@ -100,7 +100,7 @@ def breakdown(path: Path, context: int, threads: int, runs: int) -> dict:
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort")
     for name in weights.names_for(graph):
         so.add_initializer(name, weights.value(name))
-    matmul_w4a8.register_for(so, graph)
+    cpu_ops.register_for(so, graph)
     sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
     outputs = [o.name for o in sess.get_outputs()]
     for _ in range(3):

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from dspark_export.exporter.quantize import aligned
-from dspark_export.plugins import matmul_w4a8
+from dspark_export.plugins import cpu_ops
 
 
 def feed_for(session, rows: int, context: int, capacity: int, slots: int = 1) -> dict:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         so = ort.SessionOptions()
         so.intra_op_num_threads = args.threads
         so.log_severity_level = 3
-        matmul_w4a8.register_for(so, path)
+        cpu_ops.register_for(so, path)
         sessions.append(ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]))
     for rows in (int(r) for r in args.rows.split(",")):
         feeds = [feed_for(s, rows, args.context, args.capacity, args.slots) for s in sessions]

@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
                         "arithmetic as MatMulNBits, cheap verification rows; compiled with the system C++ "
                         "compiler on first load), matmulnbits = ONNX Runtime's own op (plain ONNX Runtime "
                         "loads the graphs)")
+    b.add_argument("--markov-draft-kernel", choices=("cpu", "onnx"), default="cpu",
+                   help="what runs the drafter's greedy Markov slots: cpu = dspark.cpu::MarkovDraftGreedy (default; "
+                        "one fused C++ pass per slot, compiled on first load), onnx = standard ONNX ops")
     b.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
 
     g = sub.add_parser("generate", help="generate text with speculative decoding",
@@ -245,7 +248,8 @@ def cmd_build(args) -> int:
                       profile_context=args.profile_context, profile_repeats=args.profile_repeats,
                       seed=args.seed, drafter_lm_head=args.drafter_lm_head, overwrite=args.overwrite,
                       weights=args.weights, draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from,
-                      drafter_weights=args.drafter_weights, int4_kernel=args.int4_kernel)
+                      drafter_weights=args.drafter_weights, int4_kernel=args.int4_kernel,
+                      markov_draft_kernel=args.markov_draft_kernel)
     result = build_engine_dir(cfg, progress=_progress)
     _progress(f"built {result.out} ({result.size_bytes / 2**20:.0f} MiB)")
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,

@@ -33,7 +33,9 @@ from .exporter.drafter import LAYER_WEIGHTS, export_drafter
 from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat, check_exact_context, int8_gemm_saturates
 from .exporter.target import export_target
 from .exporter.verify import export_verify
-from .plugins import matmul_w4a8
+from .plugins import cpu_ops, matmul_w4a8
+from .plugins.markov_draft import onnx_function as markov_draft_fn
+from .plugins.markov_draft.onnx_function import MARKOV_DRAFT_KERNELS
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ class BuildConfig:
         int4_kernel: the kernel of the int4 linear layers, target's and drafter's (`plugins.matmul_w4a8`):
             "w4a8" (default: dspark.cpu::MatMulW4A8, compiled on first use; cheap verification rows) or
             "matmulnbits" (ONNX Runtime's own MatMulNBits; plain ONNX Runtime loads the graphs).
+        markov_draft_kernel: what runs MarkovDraft's greedy slots in the drafter block (`plugins.cpu_ops`):
+            "cpu" (default: dspark.cpu::MarkovDraftGreedy, compiled on first use) or "onnx" (standard ops).
         overwrite: replace an existing engine directory at `out`.
     """
 
@@ -135,6 +139,7 @@ class BuildConfig:
     overwrite: bool = False
     weights: str | None = None
     int4_kernel: str = "w4a8"
+    markov_draft_kernel: str = "cpu"
 
     def __post_init__(self):
         for name in ("target_buckets", "request_buckets"):
@@ -158,6 +163,9 @@ class BuildConfig:
         if self.int4_kernel not in matmul_w4a8.INT4_KERNELS:
             raise ConfigError(f"int4_kernel: expected one of {list(matmul_w4a8.INT4_KERNELS)}, found "
                               f"{self.int4_kernel!r}")
+        if self.markov_draft_kernel not in MARKOV_DRAFT_KERNELS:
+            raise ConfigError(f"markov_draft_kernel: expected one of {list(MARKOV_DRAFT_KERNELS)}, found "
+                              f"{self.markov_draft_kernel!r}")
         if self.profile_repeats < 1:
             raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
         if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):
@@ -303,12 +311,12 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     if "w8a8" in (weights, layer_weights) and int8_gemm_saturates():
         say("warning: this CPU has no AVX-VNNI/AVX512-VNNI/AMX: ONNX Runtime's u8 x s8 GEMM saturates here, so "
             "w8a8 layers lose accuracy (outputs stay lossless to ar); --weights int4 --drafter-weights int4 avoid it")
-    graphs, w4a8_nodes = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights,
-                                        cfg.int4_kernel)
+    graphs, cpu_op_names = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights,
+                                          cfg.int4_kernel, cfg.markov_draft_kernel)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
-    if w4a8_nodes:
-        manifest.data["plugins"][f"{matmul_w4a8.DOMAIN}::{matmul_w4a8.OP}"] = 1  # the runtime compiles it on load
+    for name in cpu_op_names:
+        manifest.data["plugins"][f"{cpu_ops.DOMAIN}::{name}"] = 1  # the runtime compiles the library on load
     if vocab_info is not None:
         manifest.data["draft_vocab"] = vocab_info
     _write_engines(manifest, cfg)
@@ -423,9 +431,11 @@ def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
 
 
 def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str = "fp32", d2t=None,
-                   layer_weights: str = "float32", int4_kernel: str = "matmulnbits") -> tuple[dict, int]:
-    """Export target, drafter and verify graphs into `graph_dir`; returns their manifest entries and how many
-    int4 nodes became MatMulW4A8 (`int4_kernel` "w4a8")."""
+                   layer_weights: str = "float32", int4_kernel: str = "matmulnbits",
+                   markov_draft_kernel: str = "onnx") -> tuple[dict, list[str]]:
+    """Export target, drafter and verify graphs into `graph_dir`; returns their manifest entries and the
+    dspark.cpu ops the graphs use (int4 nodes made MatMulW4A8 with `int4_kernel` "w4a8"; MarkovDraft's greedy
+    slots made MarkovDraftGreedy with `markov_draft_kernel` "cpu")."""
     graph_dir.mkdir(parents=True, exist_ok=True)
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
                                     graph_dir / "target.onnx", weights)
@@ -434,10 +444,13 @@ def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str =
                                      target_graph=t_files[0], lm_head_dtype=drafter_lm_head,
                                      target_weights=weights, d2t=d2t, layer_weights=layer_weights)
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
-    w4a8_nodes = 0
-    if int4_kernel == "w4a8":
-        for path in (t_files[0], *(f for f in d_files if f.suffix == ".onnx")):
-            w4a8_nodes += matmul_w4a8.use_w4a8_file(path)
+    used = []
+    if int4_kernel == "w4a8" and sum(cpu_ops.rewrite_graph_file(path, matmul_w4a8.use_w4a8)
+                                     for path in (t_files[0], *(f for f in d_files if f.suffix == ".onnx"))):
+        used.append(matmul_w4a8.OP)
+    block = next(f for f in d_files if f.name == "drafter_block.onnx")
+    if markov_draft_kernel == "cpu" and cpu_ops.rewrite_graph_file(block, markov_draft_fn.use_cpu_greedy):
+        used.append(markov_draft_fn.CPU_GREEDY_OP)
     rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731
     entry = lambda files, spec: {"path": rel(files[0]), "data": rel(files[1]) if len(files) > 1 else None,  # noqa: E731
                                  "spec": spec}
@@ -447,7 +460,7 @@ def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str =
         "drafter_block": entry([f for f in d_files if "drafter_block" in f.name], d_spec.to_dict()),
         "verify": entry(v_files, {"block_size": d_spec.block_size}),
     }
-    return graphs, w4a8_nodes
+    return graphs, used
 
 
 def _write_engines(manifest: Manifest, cfg: BuildConfig) -> None:

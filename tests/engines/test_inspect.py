@@ -24,6 +24,8 @@ REAL_FINDINGS = {
     ("drafter_block", "TopK", "topk-k-runtime", "warning", "dspark::MarkovDraft"),
     ("verify", "TopK", "topk-k-runtime", "warning", "dspark::SpeculativeVerify"),   # rows padded at run time
     ("verify", "CumSum", "dtype", "error", "dspark::SpeculativeVerify"),
+    # the greedy slots' CPU kernel inside MarkovDraft's body (the TensorRT plugin replaces the body)
+    ("drafter_block", "dspark.cpu::MarkovDraftGreedy", "unknown-custom-op", "error", "dspark::MarkovDraft"),
 }
 #: the one rule that depends on the model's size: K = V of the top-p sort is under TensorRT's limit when V = 256
 SIZE_DEPENDENT = {"topk-k"}

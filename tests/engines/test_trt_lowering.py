@@ -67,8 +67,10 @@ def test_plugin_nodes_replace_the_custom_nodes(lowered):
         assert attrs["plugin_namespace"] == b"dspark" and attrs["plugin_version"] == b"1" and attrs["aot"] == 1
         assert set(attrs) == {"plugin_namespace", "plugin_version", "aot", *spec.field_names}
         assert list(node.input) == [i for i in node.input if i] and len(node.input) == len(spec.schema.inputs)
-        assert result.dropped_functions == [f"dspark::{node.op_type}" + ("[g4_markov_conf]" if name == "drafter_block"
-                                                                         else "")]
+        # the default build's MarkovDraft body has the CPU greedy slots (`_cpu`); the plugin replaces it all
+        assert result.dropped_functions == [f"dspark::{node.op_type}" + ("[g4_markov_conf_cpu]"
+                                                                         if name == "drafter_block" else "")]
+        assert not any(o.domain == "dspark.cpu" for o in model.opset_import)
         if name == "drafter_block":  # the untrained drafter has Markov and confidence heads
             assert (attrs["has_markov"], attrs["has_confidence"]) == (1, 1)
 
@@ -192,7 +194,7 @@ def test_inspect_checks_the_lowered_graphs(engine_dir, capsys):
     assert code == 0 and trt["verdict"] == "supported" and trt["trt_minor"] == 15
     assert {p["op"]: p["function_body"] for p in trt["plugin_nodes"]} == {"dspark::MarkovDraft": False,
                                                                           "dspark::SpeculativeVerify": False}
-    assert trt["lowering"]["drafter_block"]["dropped_functions"] == ["dspark::MarkovDraft[g4_markov_conf]"]
+    assert trt["lowering"]["drafter_block"]["dropped_functions"] == ["dspark::MarkovDraft[g4_markov_conf_cpu]"]
     assert all(f["fallback"] for f in trt["findings"])  # what remains is inside the canonical function bodies
 
 
@@ -249,6 +251,7 @@ def test_trt_compare_reference_for_an_int8_head_is_weight_only(engine_dir):
 
     from dspark_export.engines.profiler import engine_feed
     from dspark_export.engines.trt.compare import reference_session
+    from dspark_export.plugins import cpu_ops
 
     root = engine_dir
     manifest = Manifest.load(root)
@@ -257,7 +260,9 @@ def test_trt_compare_reference_for_an_int8_head_is_weight_only(engine_dir):
     session = reference_session(path, "drafter_block")()
     feed = engine_feed(manifest.data["graphs"], "drafter_block", 2, 8)
     ref = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
-    canonical = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    cpu_ops.register_for(so, str(path))
+    canonical = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     got = dict(zip([o.name for o in canonical.get_outputs()], canonical.run(None, feed)))
     np.testing.assert_allclose(ref["hidden"], got["hidden"], rtol=1e-4, atol=1e-5)   # fusions differ by level
     span = float(np.abs(got["draft_logits"]).max())

@@ -15,7 +15,7 @@ from dspark_export.engines.packing import Segment, pack_segments
 from dspark_export.errors import ConfigError
 from dspark_export.exporter.quantize import (WeightFormat, dequantize_blocks, quantize_blocks)
 from dspark_export.exporter.target import build_target_graph as _build_target_graph
-from dspark_export.plugins import matmul_w4a8
+from dspark_export.plugins import cpu_ops, matmul_w4a8
 
 TAPS = (1, 2)
 QUANT = ("int4", "int8", "w8a8")
@@ -36,7 +36,7 @@ def _session(proto, threads: int = 2) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = threads
-    matmul_w4a8.register_for(so, proto)
+    cpu_ops.register_for(so, proto)
     return ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -341,10 +341,12 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19,
 @pytest.fixture(scope="module", params=(*QUANT, "int4-matmulnbits"))
 def quant_engine_dir(request, build_tiny_engine_dir):
     # drafter layers in w8a8 as the shipped drafter builds them, so spec == ar covers both quantized graphs;
-    # int4 runs on both kernels (`--int4-kernel`: the default w4a8 and ONNX Runtime's MatMulNBits)
+    # int4 runs on both kernels (`--int4-kernel`: the default w4a8 and ONNX Runtime's MatMulNBits), and the
+    # MatMulNBits build also drafts with MarkovDraft's standard-op greedy slots (`--markov-draft-kernel onnx`)
     weights, _, kernel = request.param.partition("-")
     return weights, build_tiny_engine_dir(f"engines-{request.param}", weights=weights, drafter_weights="w8a8",
-                                          int4_kernel=kernel or "w4a8", **BUCKETS)
+                                          int4_kernel=kernel or "w4a8", markov_draft_kernel="onnx" if kernel else "cpu",
+                                          **BUCKETS)
 
 
 @pytest.fixture(scope="module")
@@ -413,8 +415,11 @@ def test_quantized_engine_directory(quant_engine_dir, float_engine_dir):
     m = Manifest.load(engine_dir)
     assert m.data["graphs"]["target"]["spec"]["weights"] == weights
     w4a8 = weights == "int4" and m.data["build_config"]["int4_kernel"] == "w4a8"
-    assert matmul_w4a8.graph_uses_w4a8(engine_dir / "graphs" / "target.onnx") == w4a8
+    assert cpu_ops.graph_uses_cpu_ops(engine_dir / "graphs" / "target.onnx") == w4a8
     assert ("dspark.cpu::MatMulW4A8" in m.data["plugins"]) == w4a8
+    cpu_greedy = m.data["build_config"]["markov_draft_kernel"] == "cpu"
+    assert ("dspark.cpu::MarkovDraftGreedy" in m.data["plugins"]) == cpu_greedy
+    assert cpu_ops.graph_uses_cpu_ops(engine_dir / "graphs" / "drafter_block.onnx") == (cpu_greedy or w4a8)
     block = onnx.load(str(engine_dir / "graphs" / "drafter_block.onnx"), load_external_data=False)
     [gather] = [n for n in block.graph.node if n.op_type == "GatherBlockQuantized"]
     shared = {i.name: {e.key: e.value for e in i.external_data} for i in block.graph.initializer

@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import onnxruntime as ort
 
+from dspark_export.plugins import cpu_ops
 from dspark_export.plugins.common.sampling import SamplingBatch, sample_from_probs, warp_probs
 from dspark_export.plugins.graph import make_op_model
 
@@ -86,7 +87,9 @@ def verify_feeds(rng, case: str, verify_lens, gamma: int, vocab=50, extra_rows=2
 @functools.lru_cache(maxsize=None)
 def _session(op_name: str, config_items: tuple) -> ort.InferenceSession:
     model = make_op_model(op_name, dict(config_items))
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    cpu_ops.register_for(so, model)   # a cpu_greedy MarkovDraft's dspark.cpu node
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def run_ort(op_name: str, config: dict, feeds: dict) -> dict[str, np.ndarray]:

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dspark_export.errors import ConfigError
 from dspark_export.exporter.quantize import WeightFormat, dequantize_blocks, quantize_blocks
-from dspark_export.plugins import matmul_w4a8
+from dspark_export.plugins import cpu_ops, matmul_w4a8
 
 INT4 = WeightFormat("int4")
 
@@ -40,7 +40,7 @@ def _session(model: onnx.ModelProto, threads: int = 2) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = threads
-    matmul_w4a8.register(so)
+    cpu_ops.register(so)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -54,7 +54,7 @@ def _rows(m: int, k: int, seed: int = 1) -> np.ndarray:
 
 
 def _reference(x: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """The op's formula in float64 (kernel.cpp's header): int8 rows per block of 32, exact int sums, scaled."""
+    """The op's formula in float64 (cpu_ops/matmul_w4a8.cpp's header): int8 rows per block of 32, exact int sums, scaled."""
     n, kb, _ = packed.shape
     q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, kb, 32).astype(np.int64)      # [N, kb, 32]
     xb = x.reshape(x.shape[0], kb, 32).astype(np.float32)
@@ -143,49 +143,28 @@ def test_rewrite_takes_only_what_the_op_computes():
     int8 = helper.make_node("MatMulNBits", ["y", "B8", "S8"], ["z"], domain="com.microsoft", K=32, N=16, bits=8,
                             block_size=32, accuracy_level=4)
     model.graph.node.append(int8)
-    assert not matmul_w4a8.graph_uses_w4a8(model)
+    assert not cpu_ops.graph_uses_cpu_ops(model)
     assert matmul_w4a8.use_w4a8(model) == 1
     assert [(n.op_type, n.domain) for n in model.graph.node] == [("MatMulW4A8", matmul_w4a8.DOMAIN),
                                                                  ("MatMulNBits", "com.microsoft")]
-    assert matmul_w4a8.graph_uses_w4a8(model)
+    assert cpu_ops.graph_uses_cpu_ops(model)
     assert matmul_w4a8.use_w4a8(model) == 0
 
 
-def test_library_is_cached_by_source_hash(tmp_path, monkeypatch):
-    """Compiled once into the cache directory (atomically: no partial library is ever left under its name)."""
-    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
-    matmul_w4a8.library_path.cache_clear()
-    try:
-        path = matmul_w4a8.library_path()
-        assert path.parent == tmp_path / "ops" and path.exists()
-        assert [p.name for p in (tmp_path / "ops").iterdir()] == [path.name]
-    finally:
-        matmul_w4a8.library_path.cache_clear()
-
-
-def test_missing_compiler_is_named(tmp_path, monkeypatch):
-    from dspark_export.errors import EngineDirError
-
-    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    matmul_w4a8.library_path.cache_clear()
-    try:
-        with pytest.raises(EngineDirError, match=r"no-such-compiler.*--int4-kernel matmulnbits"):
-            matmul_w4a8.library_path()
-        assert not list((tmp_path / "ops").glob("*.so"))
-    finally:
-        matmul_w4a8.library_path.cache_clear()
-
-
-def test_unwritable_cache_falls_back_to_the_temp_directory(tmp_path, monkeypatch):
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")
-    monkeypatch.setenv("DSPARK_CACHE_DIR", str(blocker))
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    matmul_w4a8.library_path.cache_clear()
-    try:
-        path = matmul_w4a8.library_path()
-        assert path.exists() and path.is_relative_to(tmp_path / "tmp")
-    finally:
-        matmul_w4a8.library_path.cache_clear()
+def test_weights_fed_as_inputs_are_read_on_every_call():
+    """B and scales that are graph inputs (not initializers) may change between calls: the kernel packs them per
+    call instead of caching the first call's packing."""
+    k, n = 64, 32
+    node = helper.make_node("MatMulW4A8", ["x", "B", "S"], ["y"], domain=matmul_w4a8.DOMAIN)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k]),
+                                            helper.make_tensor_value_info("B", TensorProto.UINT8, [n, k // 32, 16]),
+                                            helper.make_tensor_value_info("S", TensorProto.FLOAT, [n, k // 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(matmul_w4a8.DOMAIN, 1)])
+    session = _session(model)
+    x = _rows(3, k)
+    for seed in range(3):
+        packed, scales = _weights(k, n, seed)
+        [y] = session.run(None, {"x": x, "B": packed, "S": scales})
+        np.testing.assert_array_equal(y, matmul_w4a8.matmul_w4a8_numpy(x, packed, scales))

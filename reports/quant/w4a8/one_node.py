@@ -3,8 +3,8 @@ weights, 2 threads, M rows: median of 3 x 5 batches of session.run (Python call 
 largest difference between the two outputs. Usage: python one_node.py"""
 import numpy as np, time, ctypes, onnx, onnxruntime as ort
 from onnx import helper, TensorProto
-from dspark_export.plugins import matmul_w4a8
-LIB = str(matmul_w4a8.library_path())
+from dspark_export.plugins import cpu_ops, matmul_w4a8
+LIB = str(cpu_ops.library_path())
 def sess(q, s, K, N, threads, op):
     nb = K // 32
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(N, nb, 16)

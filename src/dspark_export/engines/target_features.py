@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..exporter.quantize import EXACT_MAX_KEYS, aligned
-from ..plugins import matmul_w4a8
+from ..plugins import cpu_ops
 from .manifest import Manifest
 
 __all__ = ["EngineFeatures"]
@@ -206,7 +206,7 @@ class EngineFeatures:
         so.log_severity_level = 3
         so.intra_op_num_threads = int(threads)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        matmul_w4a8.register_for(so, model)
+        cpu_ops.register_for(so, model)
         self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
     def features(self, tokens) -> tuple[np.ndarray, np.ndarray]:

@@ -52,10 +52,11 @@ def make_op_model(
         [_value_info(entry.schema.input(name), sizes, aliases) for name in present],
         [_value_info(spec, sizes, aliases) for spec in entry.schema.outputs],
     )
-    model = helper.make_model(
-        graph, opset_imports=opset_imports(), functions=[entry.make_function(**config)], ir_version=IR_VERSION,
-        producer_name="dspark_export.plugins",
-    )
+    function = entry.make_function(**config)
+    imports = opset_imports()
+    imports += [o for o in function.opset_import if o.domain not in {i.domain for i in imports}]  # e.g. dspark.cpu
+    model = helper.make_model(graph, opset_imports=imports, functions=[function], ir_version=IR_VERSION,
+                              producer_name="dspark_export.plugins")
     if check:
         onnx.checker.check_model(model, full_check=True)
     return model

@@ -35,7 +35,7 @@ import onnxruntime as ort
 from onnx.external_data_helper import uses_external_data
 
 from ...errors import EngineDirError
-from ...plugins import matmul_w4a8
+from ...plugins import cpu_ops
 from ..runner import EngineRunner
 from ..manifest import EngineKey
 
@@ -58,7 +58,7 @@ class WeightStore:
         self._values: dict[str, ort.OrtValue] = {}
         self._arrays: dict[str, np.ndarray] = {}  # keeps the memory maps alive
         self._by_graph: dict[Path, list[str]] = {}
-        self._w4a8: dict[Path, bool] = {}   # graphs with dspark.cpu::MatMulW4A8 nodes (need its library)
+        self._cpu_ops: dict[Path, bool] = {}   # graphs that use dspark.cpu ops (need its library)
 
     def names_for(self, graph_path: Path) -> list[str]:
         graph_path = Path(graph_path).resolve()
@@ -66,16 +66,16 @@ class WeightStore:
             self._by_graph[graph_path] = self._map_graph(graph_path)
         return self._by_graph[graph_path]
 
-    def uses_w4a8(self, graph_path: Path) -> bool:
+    def uses_cpu_ops(self, graph_path: Path) -> bool:
         self.names_for(graph_path)
-        return self._w4a8[Path(graph_path).resolve()]
+        return self._cpu_ops[Path(graph_path).resolve()]
 
     def _map_graph(self, graph_path: Path) -> list[str]:
         try:
             model = onnx.load(str(graph_path), load_external_data=False)
         except Exception as e:  # onnx raises DecodeError/OSError/... for a damaged file
             raise EngineDirError(f"{graph_path}: not a readable ONNX model ({type(e).__name__}: {e})") from e
-        self._w4a8[graph_path] = matmul_w4a8.graph_uses_w4a8(model)
+        self._cpu_ops[graph_path] = cpu_ops.graph_uses_cpu_ops(model)
         names = []
         for init in model.graph.initializer:
             if not uses_external_data(init):
@@ -200,8 +200,8 @@ class SharedSession:
 def _create_session(graph_path: Path, so: ort.SessionOptions, weights: "WeightStore", what: str):
     for name in weights.names_for(graph_path):
         so.add_initializer(name, weights.value(name))
-    if weights.uses_w4a8(graph_path):
-        matmul_w4a8.register(so)
+    if weights.uses_cpu_ops(graph_path):
+        cpu_ops.register(so)
     try:
         return ort.InferenceSession(str(graph_path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types

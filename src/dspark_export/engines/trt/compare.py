@@ -30,25 +30,34 @@ log = logging.getLogger(__name__)
 __all__ = ["compare_backends", "compare_runners", "reference_session"]
 
 
-def reference_session(graph_path: Path, name: str):
-    """The Polygraphy ``SessionFromOnnx`` loader of the ONNX Runtime reference for one canonical graph.
+def reference_session(graph_path: Path, name: str) -> Callable:
+    """The loader (a callable Polygraphy's ``OnnxrtRunner`` takes) of the ONNX Runtime reference for one
+    canonical graph.
 
     A graph without an int8 LM head: the file itself, default optimizations. With one: the graph with
     its int8 heads rewritten as TensorRT's lowering rewrites them, from bytes, at ``ORT_ENABLE_BASIC``.
+    Either way the session knows the dspark.cpu ops the graph uses (``plugins.cpu_ops``).
     """
     import onnx
-    from onnxruntime import GraphOptimizationLevel
-    from polygraphy.backend.onnxrt import SessionFromOnnx
+    import onnxruntime as ort
 
+    from ...plugins import cpu_ops
     from .lowering import lower_int8_heads
 
     header = onnx.load(str(graph_path), load_external_data=False)
-    if not any("/lm_head_int8/" in n.name for n in header.graph.node):
-        return SessionFromOnnx(str(graph_path), providers=["CPUExecutionProvider"])
-    model = onnx.load(str(graph_path))
-    lower_int8_heads(model.graph, name)
-    return SessionFromOnnx(model.SerializeToString(), providers=["CPUExecutionProvider"],
-                           graph_optimization_level=GraphOptimizationLevel.ORT_ENABLE_BASIC)
+    source, level = str(graph_path), ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if any("/lm_head_int8/" in n.name for n in header.graph.node):
+        model = onnx.load(str(graph_path))
+        lower_int8_heads(model.graph, name)
+        source, level = model.SerializeToString(), ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+
+    def load() -> ort.InferenceSession:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        cpu_ops.register_for(so, header)
+        return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+
+    return load
 
 
 def compare_backends(engine_dir: Path, *, atol: float = 1e-3, rtol: float = 1e-3, context_len: int = 16,

@@ -53,7 +53,7 @@ from onnx import helper, numpy_helper
 
 from ...errors import BuildError, PluginError
 from ...plugins.common import DOMAIN
-from ...plugins.matmul_w4a8 import DOMAIN as W4A8_DOMAIN
+from ...plugins.cpu_ops import DOMAIN as CPU_DOMAIN
 from ...plugins.common.tensorrt_spec import PLUGIN_NAMESPACE, PLUGIN_VERSION, PluginSpec
 from ...plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB
 from ...plugins.markov_draft.schema import SCHEMA as MARKOV_DRAFT_SCHEMA
@@ -239,7 +239,7 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
     out.CopyFrom(model)
     result = LoweredGraph(name, out)
     _refuse_nested(out.graph, name, top=True)
-    contrib = sorted({n.op_type for n in out.graph.node if n.domain in ("com.microsoft", W4A8_DOMAIN)})
+    contrib = sorted({n.op_type for n in out.graph.node if n.domain in ("com.microsoft", CPU_DOMAIN)})
     if contrib:  # MatMulNBits / MatMulW4A8, GatherBlockQuantized, the fused ops of a quantized build (quantize.py)
         raise BuildError(f"{name}: ONNX Runtime contrib and CPU custom ops {contrib} have no TensorRT import "
                          "(an engine directory built with --weights or --drafter-weights int4, int8 or w8a8); "
@@ -310,6 +310,10 @@ def lower_model(model: onnx.ModelProto, name: str = "model", *,
             keep.append(f)
     del out.functions[:]
     out.functions.extend(keep)
+    if not any(o.domain == CPU_DOMAIN for f in keep for o in f.opset_import):   # a cpu_greedy MarkovDraft's body
+        imports = [o for o in out.opset_import if o.domain != CPU_DOMAIN]
+        del out.opset_import[:]
+        out.opset_import.extend(imports)
     if check:
         _check(result)
     return result

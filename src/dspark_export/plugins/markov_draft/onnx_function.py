@@ -16,12 +16,15 @@ the function carries the overload ``MarkovDraftConfig.overload`` and nodes name 
 
 One If picks all γ slots (ONNX Runtime pays a subgraph call per If); the greedy slots keep rows as
 [R, 1, Vd] (one Split of base_logits, no Unsqueeze per slot): five nodes a slot with a Markov head and d2t.
+With ``cpu_greedy`` the greedy branch is one ``dspark.cpu::MarkovDraftGreedy`` node (``plugins/cpu_ops``: the
+slots in C++, one fused pass over W2 each; ``use_cpu_greedy`` switches a built graph to it).
 With d2t every per-slot op (the W2 product, warp, sampling, argmax) reads Vd rows, not V: the Markov table
 W2 [V, r] was the largest read of the drafter block on CPU (reports/drafter/draft-vocab.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,11 +33,15 @@ from onnx import TensorProto, helper
 
 from dspark_export.errors import PluginError
 from dspark_export.plugins.common import DOMAIN
+from dspark_export.plugins.cpu_ops import DOMAIN as CPU_DOMAIN
 from dspark_export.plugins.markov_draft.schema import SCHEMA, MarkovDraftConfig
 from dspark_export.plugins.common.onnx_builder import NodeBuilder, make_function as _make_function
 from dspark_export.plugins.common.onnx_sampling import emit_argmax, emit_greedy_masks, emit_sample, emit_warp_probs, unsqueeze_last
 
 I64 = np.int64
+CPU_GREEDY_OP = "MarkovDraftGreedy"
+#: `build --markov-draft-kernel`: what runs MarkovDraft's greedy slots ("cpu": the C++ kernel; "onnx": standard ops)
+MARKOV_DRAFT_KERNELS = ("cpu", "onnx")
 
 
 def make_function(**static_config) -> onnx.FunctionProto:
@@ -59,7 +66,11 @@ def make_function(**static_config) -> onnx.FunctionProto:
     b.nodes.append(helper.make_node("If", [all_greedy], ["draft_ids", "draft_logits"], name=f"{b.prefix}If_slots",
                                     then_branch=then_graph, else_branch=else_graph))
     _emit_confidence(b, config, anchor)
-    return _make_function(SCHEMA.op_type, SCHEMA.input_names, SCHEMA.output_names, b, SCHEMA.doc, config.overload)
+    function = _make_function(SCHEMA.op_type, SCHEMA.input_names, SCHEMA.output_names, b, SCHEMA.doc,
+                              config.overload)
+    if config.cpu_greedy:
+        function.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    return function
 
 
 def _emit_greedy_steps(b: NodeBuilder, config: MarkovDraftConfig, w2_t: str | None, anchor: str) -> tuple[str, str]:
@@ -68,6 +79,12 @@ def _emit_greedy_steps(b: NodeBuilder, config: MarkovDraftConfig, w2_t: str | No
     Rows stay [R, 1, ·]: one Split of base_logits into the γ slots, ids [R, 1], no Unsqueeze per slot. The same
     values as `_emit_mixed_steps` gives a greedy row (the same MatMul, Add and first-index ArgMax per row).
     """
+    if config.cpu_greedy:
+        outs = [f"{b.prefix}draft_ids", f"{b.prefix}draft_logits"]
+        inputs = ["base_logits", "anchor_ids", "markov_w1", "markov_w2"] + ["d2t"] * config.has_d2t
+        b.nodes.append(helper.make_node(CPU_GREEDY_OP, inputs, outs, name=f"{b.prefix}{CPU_GREEDY_OP}",
+                                        domain=CPU_DOMAIN))
+        return outs[0], outs[1]
     g = config.block_size
     slots = b.op("Split", "base_logits", b.const([1] * g, I64), axis=1, num_outputs=g)
     slots = [slots] if g == 1 else slots
@@ -163,3 +180,48 @@ def _emit_confidence(b: NodeBuilder, config: MarkovDraftConfig, anchor: str) -> 
         features = b.op("Concat", "hidden", b.op("Gather", "markov_w1", prev_ids, axis=0), axis=-1)
     logit = b.op("Add", b.op("MatMul", features, "confidence_weight"), "confidence_bias")
     b.op_into("confidence", "Sigmoid", b.op("Div", logit, "confidence_temperature"))
+
+
+def use_cpu_greedy(model: onnx.ModelProto) -> int:
+    """Give every MarkovDraft node with a Markov head the ``cpu_greedy`` body, in place; returns how many.
+
+    The node's configuration is read back from its overload tag (``MarkovDraftConfig.overload``); its function
+    is rebuilt by ``make_function`` and the model imports the dspark.cpu domain. Nodes without a Markov head
+    (their greedy slots are one ArgMax each) and nodes already switched are left as they are.
+    """
+    configs = {}
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type == SCHEMA.op_type:
+            config = _config_from_overload(node.overload)
+            if config is not None and config.has_markov and not config.cpu_greedy:
+                configs[node.overload] = config
+                node.overload = dataclasses.replace(config, cpu_greedy=True).overload
+    if not configs:
+        return 0
+    kept = [f for f in model.functions
+            if not (f.domain == DOMAIN and f.name == SCHEMA.op_type and f.overload in configs)]
+    new = {dataclasses.replace(c, cpu_greedy=True).overload: dataclasses.replace(c, cpu_greedy=True)
+           for c in configs.values()}
+    known = {f.overload for f in kept if f.domain == DOMAIN and f.name == SCHEMA.op_type}
+    kept += [make_function(**dataclasses.asdict(c)) for tag, c in new.items() if tag not in known]
+    del model.functions[:]
+    model.functions.extend(kept)
+    if not any(o.domain == CPU_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    return len(configs)
+
+
+def _config_from_overload(tag: str) -> MarkovDraftConfig | None:
+    """The configuration whose ``overload`` is ``tag``, or None for a tag this version does not write."""
+    parts = tag.split("_")
+    if not parts or not parts[0].startswith("g") or not parts[0][1:].isdigit():
+        return None
+    flags = {"markov": "has_markov", "conf": "has_confidence", "d2t": "has_d2t", "cpu": "cpu_greedy"}
+    if not set(parts[1:]) <= set(flags):
+        return None
+    try:
+        config = MarkovDraftConfig(int(parts[0][1:]), has_markov="markov" in parts, has_confidence="conf" in parts,
+                                   has_d2t="d2t" in parts, cpu_greedy="cpu" in parts)
+    except PluginError:
+        return None
+    return config if config.overload == tag else None

@@ -114,35 +114,42 @@ class MarkovDraftConfig:
         has_markov: whether ``markov_w1``/``markov_w2`` are inputs (False: DFlash-style, no bias).
         has_confidence: whether ``confidence_weight``/``confidence_bias`` are inputs (False: confidence 1).
         has_d2t: whether ``d2t`` is an input (the slots run over the draft vocabulary); needs ``has_markov``.
+        cpu_greedy: whether the all-greedy branch is one ``dspark.cpu::MarkovDraftGreedy`` node (the C++ kernel
+            of ``plugins/cpu_ops``, ONNX Runtime's CPU provider) instead of standard ops; needs ``has_markov``.
+            Same values to float rounding; the sampling branch is unchanged.
     """
 
     block_size: int
     has_markov: bool
     has_confidence: bool
     has_d2t: bool = False
+    cpu_greedy: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise PluginError(f"MarkovDraft block_size: expected an int >= 1, found {self.block_size!r}")
-        for name in ("has_markov", "has_confidence", "has_d2t"):
+        for name in ("has_markov", "has_confidence", "has_d2t", "cpu_greedy"):
             if not isinstance(getattr(self, name), bool):
                 raise PluginError(f"MarkovDraft {name}: expected a bool, found {getattr(self, name)!r}")
         if self.has_d2t and not self.has_markov:
             raise PluginError("MarkovDraft has_d2t: a draft vocabulary needs the Markov weights (markov_w1 carries "
                               "V, the target ids the slots feed back), found has_markov=False; without them "
                               "scatter the logits to V before the op")
+        if self.cpu_greedy and not self.has_markov:
+            raise PluginError("MarkovDraft cpu_greedy: the C++ greedy slots compute the Markov bias, found "
+                              "has_markov=False (without it the slots are one ArgMax each: keep the ONNX form)")
 
     @property
     def overload(self) -> str:
         """Function overload tag, e.g. ``"g7_markov_conf"``: distinct configurations coexist in one model."""
         parts = [f"g{self.block_size}"] + ["markov"] * self.has_markov + ["conf"] * self.has_confidence \
-            + ["d2t"] * self.has_d2t
+            + ["d2t"] * self.has_d2t + ["cpu"] * self.cpu_greedy
         return "_".join(parts)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, object]) -> MarkovDraftConfig:
-        """Build from keyword configuration; raises PluginError for missing or unknown keys (``has_d2t`` may be
-        left out: False)."""
+        """Build from keyword configuration; raises PluginError for missing or unknown keys (``has_d2t`` and
+        ``cpu_greedy`` may be left out: False)."""
         names = [field.name for field in dataclasses.fields(cls)]
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
         if not set(required) <= set(config) or not set(config) <= set(names):

@@ -3,111 +3,31 @@
 The op reads MatMulNBits' own inputs (bits 4, block 32, symmetric: B [N, K/32, 16] uint8, scales [N, K/32]
 float32) and computes what MatMulNBits at ``accuracy_level`` 4 computes (int8 activations per row and block of
 32, exact int32 block sums), so an engine switches kernels by renaming nodes (`use_w4a8`). What differs is the
-cost of rows: the kernel (`kernel.cpp`) unpacks each 16-column weight block once and reuses it for up to 8
+cost of rows: the kernel unpacks each 16-column weight block once and reuses it for up to 8
 rows, so the LM head's extra row costs about a quarter of MatMulNBits' and the SmolLM2 target's 8-token pass
 1.8 one-token passes instead of 2.4 (reports/quant/w4a8/). A row's output is bitwise the same alone or packed
 with others, at any row count and thread count.
 
-The library is compiled from `kernel.cpp` by the system C++ compiler on first use and cached under
-``$DSPARK_CACHE_DIR`` (default ``~/.cache/dspark-export``), keyed by the source's hash, like Triton's or
-torch.utils.cpp_extension's JIT builds. It uses AVX512-VNNI where the CPU has it and a portable path with the
-same results otherwise.
+The kernel is `cpu_ops/matmul_w4a8.cpp`, in the dspark.cpu library (`plugins.cpu_ops`: compiled on first use,
+cached). It uses AVX512-VNNI where the CPU has it and a portable path with the same results otherwise.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import onnx
 
-from ...errors import ConfigError, EngineDirError
+from ...errors import ConfigError
+from ..cpu_ops import DOMAIN, library
 
-__all__ = ["DOMAIN", "OP", "library_path", "register", "register_for", "graph_uses_w4a8", "use_w4a8", "use_w4a8_file", "INT4_KERNELS", "matmul_w4a8_numpy",
-           "vectorized"]
+__all__ = ["DOMAIN", "OP", "use_w4a8", "INT4_KERNELS", "matmul_w4a8_numpy", "vectorized"]
 
-DOMAIN = "dspark.cpu"  #: apart from "dspark", whose ops are ONNX functions the graphs carry
 OP = "MatMulW4A8"
-SOURCE = Path(__file__).with_name("kernel.cpp")
 #: `build --int4-kernel`: which kernel runs the int4 linear layers (target and drafter)
 INT4_KERNELS = ("w4a8", "matmulnbits")
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off"]
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE_DIR", Path.home() / ".cache" / "dspark-export"))
-
-
-@lru_cache(maxsize=None)
-def library_path() -> Path:
-    """The compiled custom-op library (built on first call, then reused across processes).
-
-    Raises:
-        EngineDirError: no C++ compiler, or the compile failed (the message has the compiler's output).
-    """
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    name = f"libdspark_w4a8-{tag}.so"
-    out = _cache_dir() / "ops" / name
-    if out.exists():
-        return out
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:   # a read-only or odd home: build in the temp directory instead
-        out = Path(tempfile.gettempdir()) / f"dspark-export-{os.getuid()}" / "ops" / name
-        if out.exists():
-            return out
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        raise EngineDirError(f"{OP}: no C++ compiler found to build {SOURCE.name} (set CXX, install g++, or "
-                             "build the engines with --int4-kernel matmulnbits)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:   # compile aside, then rename: never a partial .so
-        part = Path(tmp) / out.name
-        try:
-            res = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", str(part)], capture_output=True, text=True)
-        except OSError as e:
-            raise EngineDirError(f"{OP}: could not run the C++ compiler {compiler} ({e}); set CXX, install g++, "
-                                 "or build the engines with --int4-kernel matmulnbits") from e
-        if res.returncode != 0:
-            raise EngineDirError(f"{OP}: compiling {SOURCE} with {compiler} failed:\n{res.stderr[-4000:]}")
-        os.replace(part, out)
-    return out
-
-
-def register(so) -> None:
-    """Make `so` (onnxruntime.SessionOptions) know the dspark.cpu domain."""
-    so.register_custom_ops_library(str(library_path()))
-
-
-def register_for(so, graph: str | Path | onnx.ModelProto) -> None:
-    """`register` when `graph` has MatMulW4A8 nodes (so graphs without it never need the compiler)."""
-    if graph_uses_w4a8(graph):
-        register(so)
-
-
-def graph_uses_w4a8(graph: str | Path | onnx.ModelProto) -> bool:
-    """Whether a graph has MatMulW4A8 nodes (a file is read without its external weights)."""
-    model = graph if isinstance(graph, onnx.ModelProto) else onnx.load(str(graph), load_external_data=False)
-    return any(n.domain == DOMAIN for n in model.graph.node)
-
-
-def use_w4a8_file(path: Path) -> int:
-    """`use_w4a8` on a saved graph, rewritten in place (its external data file is untouched); returns the count."""
-    model = onnx.load(str(path), load_external_data=False)
-    count = use_w4a8(model)
-    if count:
-        part = path.with_name(f".{path.name}.part")
-        part.write_bytes(model.SerializeToString())
-        os.replace(part, path)
-    return count
 
 
 def _eligible(node: onnx.NodeProto) -> bool:
@@ -134,7 +54,7 @@ def use_w4a8(model: onnx.ModelProto) -> int:
 
 @lru_cache(maxsize=None)
 def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(library_path()))
+    lib = library()
     p = ctypes.c_void_p
     lib.dspark_w4a8_matmul.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, ctypes.c_int]
     lib.dspark_w4a8_matmul.restype = None

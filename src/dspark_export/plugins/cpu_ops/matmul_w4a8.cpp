@@ -16,9 +16,7 @@
 // weights are unpacked once per 16-column tile and block and reused for up to 8 rows (vpdpbusd, u8 weights
 // 0..15 × s8 activations), so a row costs the int8 dot products only.
 //
-// ONNX Runtime's C API is reached through the slot indices of its OrtApi table (onnxruntime_c_api.h: the
-// table only ever appends, so an index holds for every later version) and the OrtCustomOp layout;
-// `RegisterCustomOps` is the entry point `SessionOptions.register_custom_ops_library` calls.
+// ONNX Runtime's C API: ort_api.h; the op is registered with the others in register.cpp.
 
 #include <algorithm>
 #include <climits>
@@ -34,12 +32,16 @@
 #include <utility>
 #include <vector>
 
+#include "ort_api.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define W4A8_X86 1
 #endif
 
 namespace {
+
+using namespace dspark_cpu;
 
 constexpr int64_t kBlock = 32;   // input features per quantization block
 constexpr int64_t kTile = 16;    // output features per tile (one 512-bit vector of int32 sums)
@@ -239,73 +241,9 @@ const TileFn g_tiles = tiles_portable;
 const QuantizeFn g_quantize = quantize_rows_portable;
 #endif
 
-// ---- the ONNX Runtime C API, by slot ---------------------------------------------------------------------------
-
-struct OrtStatus;
-struct OrtKernelInfo;
-struct OrtKernelContext;
-struct OrtValue;
-struct OrtTensorTypeAndShapeInfo;
-struct OrtSessionOptions;
-struct OrtCustomOpDomain;
-struct OrtApi;
-using Status = OrtStatus*;
-
-struct OrtApiBase {
-  const void* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)();
-};
-
-enum Slot : int {  // indices into OrtApi (function pointers)
-  kCreateStatus = 0,
-  kCreateCustomOpDomain = 26,
-  kCustomOpDomainAdd = 27,
-  kAddCustomOpDomain = 28,
-  kGetTensorMutableData = 51,
-  kGetTensorElementType = 60,
-  kGetDimensionsCount = 61,
-  kGetDimensions = 62,
-  kGetTensorTypeAndShape = 65,
-  kKernelContextGetInput = 90,
-  kKernelContextGetOutput = 91,
-  kReleaseStatus = 93,
-  kReleaseTensorTypeAndShapeInfo = 99,
-  kKernelContextParallelFor = 274,
-};
-constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor and OrtCustomOp's fields up to GetMayInplace
-
-const void* const* g_api = nullptr;
-
-template <typename F>
-F api(Slot s) {
-  return reinterpret_cast<F>(const_cast<void*>(g_api[s]));
-}
-
-Status make_error(const std::string& msg) {
-  return api<Status (*)(int, const char*)>(kCreateStatus)(2 /* ORT_INVALID_ARGUMENT */, msg.c_str());
-}
-
-#define W4A8_TRY(expr)                   \
-  do {                                   \
-    if (Status st_ = (expr)) return st_; \
-  } while (0)
-
-Status shape_of(const OrtValue* v, std::vector<int64_t>& dims, int& elem_type) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  W4A8_TRY(api<Status (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(v, &info));
-  size_t count = 0;
-  Status st = api<Status (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &count);
-  if (!st) {
-    dims.assign(count, 0);
-    st = api<Status (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, dims.data(),
-                                                                                           count);
-  }
-  if (!st) st = api<Status (*)(const OrtTensorTypeAndShapeInfo*, int*)>(kGetTensorElementType)(info, &elem_type);
-  api<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
-  return st;
-}
-
 struct Kernel {
+  explicit Kernel(const OrtKernelInfo* info) : constant(constant_input(info, 1) && constant_input(info, 2)) {}
+  const bool constant;  // B and scales are initializers: pack once (else every call, as their values may change)
   std::mutex mutex;
   std::shared_ptr<Packed> packed;
 };
@@ -334,20 +272,17 @@ void run_quantize(void* data, size_t i) {
   g_quantize(job->x, r0, r1, p.k, p.xq, p.xs, p.xsum);
 }
 
-constexpr int kFloat = 1, kUint8 = 2;
-
 Status compute(void* state, OrtKernelContext* ctx) {
   auto* kernel = static_cast<Kernel*>(state);
   const OrtValue *x = nullptr, *b = nullptr, *s = nullptr;
-  auto get_input = api<Status (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput);
-  W4A8_TRY(get_input(ctx, 0, &x));
-  W4A8_TRY(get_input(ctx, 1, &b));
-  W4A8_TRY(get_input(ctx, 2, &s));
+  DSPARK_TRY(input(ctx, 0, x));
+  DSPARK_TRY(input(ctx, 1, b));
+  DSPARK_TRY(input(ctx, 2, s));
   std::vector<int64_t> xd, bd, sd;
   int xt = 0, bt = 0, st = 0;
-  W4A8_TRY(shape_of(x, xd, xt));
-  W4A8_TRY(shape_of(b, bd, bt));
-  W4A8_TRY(shape_of(s, sd, st));
+  DSPARK_TRY(shape_of(x, xd, xt));
+  DSPARK_TRY(shape_of(b, bd, bt));
+  DSPARK_TRY(shape_of(s, sd, st));
   if (xt != kFloat || bt != kUint8 || st != kFloat)
     return make_error("MatMulW4A8: expected x float32, B uint8, scales float32");
   if (bd.size() != 3 || bd[2] != kBlock / 2 || bd[0] % kTile != 0)
@@ -365,22 +300,23 @@ Status compute(void* state, OrtKernelContext* ctx) {
   std::vector<int64_t> yd = xd;
   yd.back() = n;
   OrtValue* y = nullptr;
-  W4A8_TRY(api<Status (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
-      ctx, 0, yd.data(), yd.size(), &y));
-  void *xp = nullptr, *bp = nullptr, *sp = nullptr, *yp = nullptr;
-  auto data = api<Status (*)(OrtValue*, void**)>(kGetTensorMutableData);
-  W4A8_TRY(data(const_cast<OrtValue*>(x), &xp));
-  W4A8_TRY(data(const_cast<OrtValue*>(b), &bp));
-  W4A8_TRY(data(const_cast<OrtValue*>(s), &sp));
-  W4A8_TRY(data(y, &yp));
+  DSPARK_TRY(output(ctx, 0, yd, y));
+  const float *xp = nullptr, *sp = nullptr;
+  const uint8_t* bp = nullptr;
+  float* yp = nullptr;
+  DSPARK_TRY(data_of(x, xp));
+  DSPARK_TRY(data_of(b, bp));
+  DSPARK_TRY(data_of(s, sp));
+  DSPARK_TRY(data_of(y, yp));
   if (m == 0) return nullptr;
 
   std::shared_ptr<Packed> packed;
-  {
+  if (kernel->constant) {
     std::lock_guard<std::mutex> lock(kernel->mutex);
-    if (!kernel->packed || kernel->packed->n != n || kernel->packed->k != k)
-      kernel->packed = packed_for(static_cast<const uint8_t*>(bp), static_cast<const float*>(sp), n, k);
+    if (!kernel->packed || kernel->packed->n != n || kernel->packed->k != k) kernel->packed = packed_for(bp, sp, n, k);
     packed = kernel->packed;
+  } else {
+    packed = pack(bp, sp, n, k);
   }
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs;
@@ -388,109 +324,38 @@ Status compute(void* state, OrtKernelContext* ctx) {
   xq.resize(static_cast<size_t>(m * k));
   xs.resize(static_cast<size_t>(m * nb));
   xsum.resize(static_cast<size_t>(m * nb));
-  Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), static_cast<float*>(yp)};
+  Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), yp};
   const int64_t tiles = n / kTile;
   // tile groups of at least ~32k multiply-adds per row, so small layers do not pay for scheduling
   const int64_t per_task = std::max<int64_t>(1, (32768 / (kTile * k)) + 1);
   const int64_t groups = (tiles + per_task - 1) / per_task, row_groups = (m + kRowsPerTask - 1) / kRowsPerTask;
-  ParallelJob job{&p, static_cast<const float*>(xp), per_task, tiles, groups};
-  using ParallelFor = Status (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
-  auto parallel_for = api<ParallelFor>(kKernelContextParallelFor);
+  ParallelJob job{&p, xp, per_task, tiles, groups};
   if (row_groups > 1)
-    W4A8_TRY(parallel_for(ctx, run_quantize, static_cast<size_t>(row_groups), 0, &job));
+    DSPARK_TRY(parallel_for(ctx, run_quantize, static_cast<size_t>(row_groups), &job));
   else
     run_quantize(&job, 0);
-  return parallel_for(ctx, run_tiles, static_cast<size_t>(groups * row_groups), 0, &job);
+  return parallel_for(ctx, run_tiles, static_cast<size_t>(groups * row_groups), &job);
 }
 
-// ---- OrtCustomOp -----------------------------------------------------------------------------------------------
-
-struct CustomOp {
-  uint32_t version;
-  void* (*CreateKernel)(const CustomOp*, const void*, const OrtKernelInfo*);
-  const char* (*GetName)(const CustomOp*);
-  const char* (*GetExecutionProviderType)(const CustomOp*);
-  int (*GetInputType)(const CustomOp*, size_t);
-  size_t (*GetInputTypeCount)(const CustomOp*);
-  int (*GetOutputType)(const CustomOp*, size_t);
-  size_t (*GetOutputTypeCount)(const CustomOp*);
-  void (*KernelCompute)(void*, OrtKernelContext*);
-  void (*KernelDestroy)(void*);
-  int (*GetInputCharacteristic)(const CustomOp*, size_t);
-  int (*GetOutputCharacteristic)(const CustomOp*, size_t);
-  int (*GetInputMemoryType)(const CustomOp*, size_t);
-  int (*GetVariadicInputMinArity)(const CustomOp*);
-  int (*GetVariadicInputHomogeneity)(const CustomOp*);
-  int (*GetVariadicOutputMinArity)(const CustomOp*);
-  int (*GetVariadicOutputHomogeneity)(const CustomOp*);
-  Status (*CreateKernelV2)(const CustomOp*, const void*, const OrtKernelInfo*, void**);
-  Status (*KernelComputeV2)(void*, OrtKernelContext*);
-  Status (*InferOutputShapeFn)(const CustomOp*, void*);
-  int (*GetStartVersion)(const CustomOp*);
-  int (*GetEndVersion)(const CustomOp*);
-  size_t (*GetMayInplace)(int**, int**);
-  void (*ReleaseMayInplace)(int*, int*);
-  size_t (*GetAliasMap)(int**, int**);
-  void (*ReleaseAliasMap)(int*, int*);
-};
-
-CustomOp make_op() {
-  CustomOp op{};
-  op.version = kApiVersion;
-  op.CreateKernel = [](const CustomOp*, const void*, const OrtKernelInfo*) -> void* { return new Kernel(); };
+CustomOp make_matmul_op() {
+  CustomOp op = make_op<Kernel, compute>();
   op.GetName = [](const CustomOp*) { return "MatMulW4A8"; };
-  op.GetExecutionProviderType = [](const CustomOp*) -> const char* { return "CPUExecutionProvider"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return i == 1 ? kUint8 : kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 3; };
   op.GetOutputType = [](const CustomOp*, size_t) { return kFloat; };
   op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
-  // ONNX Runtime calls KernelComputeV2 (it reports errors) when version >= 16; this V1 entry only fills the slot
-  op.KernelCompute = [](void* k, OrtKernelContext* ctx) {
-    if (Status st = compute(k, ctx)) api<void (*)(Status)>(kReleaseStatus)(st);
-  };
-  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };
-  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };
-  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };
-  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
-  op.CreateKernelV2 = [](const CustomOp*, const void*, const OrtKernelInfo*, void** out) -> Status {
-    *out = new Kernel();
-    return nullptr;
-  };
-  op.KernelComputeV2 = compute;
-  op.InferOutputShapeFn = nullptr;
-  op.GetStartVersion = [](const CustomOp*) { return 1; };
-  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
-  op.GetMayInplace = [](int**, int**) -> size_t { return 0; };
-  op.ReleaseMayInplace = [](int*, int*) {};
-  op.GetAliasMap = [](int**, int**) -> size_t { return 0; };
-  op.ReleaseAliasMap = [](int*, int*) {};
   return op;
 }
 
-CustomOp g_op = make_op();
+const CustomOp g_op = make_matmul_op();
 
 }  // namespace
 
-extern "C" {
+namespace dspark_cpu {
+const CustomOp* matmul_w4a8_op() { return &g_op; }
+}  // namespace dspark_cpu
 
-__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
-                                                                    const OrtApiBase* base) {
-  const void* table = base->GetApi(kApiVersion);
-  if (!table) return nullptr;  // older than API 18: ONNX Runtime then fails on the unknown op, naming it
-  g_api = static_cast<const void* const*>(table);
-  static OrtCustomOpDomain* domain = nullptr;  // one per process; ONNX Runtime keeps a reference per session
-  static std::mutex m;
-  std::lock_guard<std::mutex> lock(m);
-  if (!domain) {
-    W4A8_TRY(api<Status (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("dspark.cpu", &domain));
-    W4A8_TRY(api<Status (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(domain, &g_op));
-  }
-  return api<Status (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
-}
+extern "C" {
 
 // Direct entry points for tests and benchmarks (numpy through ctypes), same arithmetic as the op.
 __attribute__((visibility("default"))) void dspark_w4a8_matmul(const float* x, int64_t m, int64_t k, int64_t n,
