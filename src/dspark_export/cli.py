@@ -124,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
                         "arithmetic as MatMulNBits, cheap verification rows; compiled with the system C++ "
                         "compiler on first load), matmulnbits = ONNX Runtime's own op (plain ONNX Runtime "
                         "loads the graphs)")
+    b.add_argument("--attention-kernel", choices=("cpu", "onnx"), default="cpu",
+                   help="what runs the quantized target's attention: cpu = dspark.cpu::RaggedAttention (default; "
+                        "one C++ node a layer reading only the live cache entries, compiled on first load), onnx = "
+                        "ONNX Runtime ops")
     b.add_argument("--markov-draft-kernel", choices=("cpu", "onnx"), default="cpu",
                    help="what runs the drafter's greedy Markov slots: cpu = dspark.cpu::MarkovDraftGreedy (default; "
                         "one fused C++ pass per slot, compiled on first load), onnx = standard ONNX ops")
@@ -249,7 +253,7 @@ def cmd_build(args) -> int:
                       seed=args.seed, drafter_lm_head=args.drafter_lm_head, overwrite=args.overwrite,
                       weights=args.weights, draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from,
                       drafter_weights=args.drafter_weights, int4_kernel=args.int4_kernel,
-                      markov_draft_kernel=args.markov_draft_kernel)
+                      markov_draft_kernel=args.markov_draft_kernel, attention_kernel=args.attention_kernel)
     result = build_engine_dir(cfg, progress=_progress)
     _progress(f"built {result.out} ({result.size_bytes / 2**20:.0f} MiB)")
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,

@@ -31,7 +31,7 @@ from .engines.sps import SPS_PATH, encode_sps, write_sps
 from .errors import BuildError, ConfigError, ProfileError
 from .exporter.drafter import LAYER_WEIGHTS, export_drafter
 from .exporter.quantize import DEFAULT_WEIGHTS, WeightFormat, check_exact_context, int8_gemm_saturates
-from .exporter.target import export_target
+from .exporter.target import ATTENTION_KERNELS, export_target
 from .exporter.verify import export_verify
 from .plugins import cpu_ops, matmul_w4a8
 from .plugins.markov_draft import onnx_function as markov_draft_fn
@@ -115,6 +115,10 @@ class BuildConfig:
         int4_kernel: the kernel of the int4 linear layers, target's and drafter's (`plugins.matmul_w4a8`):
             "w4a8" (default: dspark.cpu::MatMulW4A8, compiled on first use; cheap verification rows) or
             "matmulnbits" (ONNX Runtime's own MatMulNBits; plain ONNX Runtime loads the graphs).
+        attention_kernel: what runs the quantized target's attention (`exporter.target.build_target_graph`) and
+            the drafter block's with quantized layers: "cpu" (default: dspark.cpu::RaggedAttention, one node a
+            layer reading only the live cache entries) or "onnx" (ONNX Runtime ops). Float32 graphs keep
+            standard ONNX attention (the TensorRT path).
         markov_draft_kernel: what runs MarkovDraft's greedy slots in the drafter block (`plugins.cpu_ops`):
             "cpu" (default: dspark.cpu::MarkovDraftGreedy, compiled on first use) or "onnx" (standard ops).
         overwrite: replace an existing engine directory at `out`.
@@ -140,6 +144,7 @@ class BuildConfig:
     weights: str | None = None
     int4_kernel: str = "w4a8"
     markov_draft_kernel: str = "cpu"
+    attention_kernel: str = "cpu"
 
     def __post_init__(self):
         for name in ("target_buckets", "request_buckets"):
@@ -163,6 +168,9 @@ class BuildConfig:
         if self.int4_kernel not in matmul_w4a8.INT4_KERNELS:
             raise ConfigError(f"int4_kernel: expected one of {list(matmul_w4a8.INT4_KERNELS)}, found "
                               f"{self.int4_kernel!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention_kernel: expected one of {list(ATTENTION_KERNELS)}, found "
+                              f"{self.attention_kernel!r}")
         if self.markov_draft_kernel not in MARKOV_DRAFT_KERNELS:
             raise ConfigError(f"markov_draft_kernel: expected one of {list(MARKOV_DRAFT_KERNELS)}, found "
                               f"{self.markov_draft_kernel!r}")
@@ -312,7 +320,7 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
         say("warning: this CPU has no AVX-VNNI/AVX512-VNNI/AMX: ONNX Runtime's u8 x s8 GEMM saturates here, so "
             "w8a8 layers lose accuracy (outputs stay lossless to ar); --weights int4 --drafter-weights int4 avoid it")
     graphs, cpu_op_names = _export_graphs(inputs, root / "graphs", lm_head, weights, d2t, layer_weights,
-                                          cfg.int4_kernel, cfg.markov_draft_kernel)
+                                          cfg.int4_kernel, cfg.markov_draft_kernel, cfg.attention_kernel)
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
     for name in cpu_op_names:
@@ -432,23 +440,25 @@ def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
 
 def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str = "fp32", d2t=None,
                    layer_weights: str = "float32", int4_kernel: str = "matmulnbits",
-                   markov_draft_kernel: str = "onnx") -> tuple[dict, list[str]]:
+                   markov_draft_kernel: str = "onnx", attention_kernel: str = "onnx") -> tuple[dict, list[str]]:
     """Export target, drafter and verify graphs into `graph_dir`; returns their manifest entries and the
     dspark.cpu ops the graphs use (int4 nodes made MatMulW4A8 with `int4_kernel` "w4a8"; MarkovDraft's greedy
-    slots made MarkovDraftGreedy with `markov_draft_kernel` "cpu")."""
+    slots made MarkovDraftGreedy with `markov_draft_kernel` "cpu"; a quantized target's attention RaggedAttention
+    with `attention_kernel` "cpu")."""
     graph_dir.mkdir(parents=True, exist_ok=True)
     t_files, t_spec = export_target(inputs.target_model, inputs.drafter.config.target_layer_ids,
-                                    graph_dir / "target.onnx", weights)
+                                    graph_dir / "target.onnx", weights, attention_kernel)
     embed = inputs.target_model.get_input_embeddings().weight.detach().float().numpy()
     d_files, d_spec = export_drafter(inputs.drafter, inputs.rope, graph_dir, target_embed=embed,
                                      target_graph=t_files[0], lm_head_dtype=drafter_lm_head,
-                                     target_weights=weights, d2t=d2t, layer_weights=layer_weights)
+                                     target_weights=weights, d2t=d2t, layer_weights=layer_weights,
+                                     attention=attention_kernel)
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
-    used = []
+    block = next(f for f in d_files if f.name == "drafter_block.onnx")
+    used = ["RaggedAttention"] if any(map(cpu_ops.graph_uses_cpu_ops, (t_files[0], block))) else []
     if int4_kernel == "w4a8" and sum(cpu_ops.rewrite_graph_file(path, matmul_w4a8.use_w4a8)
                                      for path in (t_files[0], *(f for f in d_files if f.suffix == ".onnx"))):
         used.append(matmul_w4a8.OP)
-    block = next(f for f in d_files if f.name == "drafter_block.onnx")
     if markov_draft_kernel == "cpu" and cpu_ops.rewrite_graph_file(block, markov_draft_fn.use_cpu_greedy):
         used.append(markov_draft_fn.CPU_GREEDY_OP)
     rel = lambda p: p.relative_to(graph_dir.parent).as_posix()  # noqa: E731

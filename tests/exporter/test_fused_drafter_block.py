@@ -93,3 +93,32 @@ def test_merged_projections_quantize_to_the_same_blocks(tiny_llama):
         m = f"layers.{i}.mlp"
         np.testing.assert_array_equal(wf[f"{m}.gate_up_proj.weight_Q4"],
                                       np.concatenate([wp[f"{m}.{t}_proj.weight_Q4"] for t in ("gate", "up")], axis=0))
+
+
+@pytest.mark.parametrize("layer_weights", ["float32", "w8a8"])
+def test_cpu_attention_block_drafts_as_the_onnx_one(tiny_target, layer_weights):
+    """`attention="cpu"` (dspark.cpu::RaggedAttention, causal 0, one node a layer) against the fused block's ONNX
+    attention: the same greedy drafts, values to float rounding (w8a8: up to its int8 activation steps)."""
+    from dspark_export.exporter.drafter import _spec
+    from dspark_export.plugins import cpu_ops
+
+    drafter = _drafter(tiny_target)
+    rope = (drafter.inv_freq.numpy(), float(drafter.attention_scaling))
+    with torch.no_grad():
+        s_ctx = _session(build_context_graph(drafter, rope, layer_weights))
+        onnx_block = build_block_graph(drafter, rope, None, layer_weights=layer_weights, fused=True)
+        cpu_block = build_block_graph(drafter, rope, None, layer_weights=layer_weights, fused=True, attention="cpu")
+    assert sum(n.op_type == "RaggedAttention" for n in cpu_block.graph.node) == drafter.config.num_hidden_layers
+    assert cpu_ops.graph_uses_cpu_ops(cpu_block) and not cpu_ops.graph_uses_cpu_ops(onnx_block)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    cpu_ops.register(so)
+    s_cpu = ort.InferenceSession(cpu_block.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    spec = _spec(drafter, "float32", 0, layer_weights)
+    tol = 1e-4 if layer_weights == "float32" else 0.05
+    for seed in range(3):
+        feed = _block_feed(spec, s_ctx, 0.0, seed)
+        a, b = _run(_session(onnx_block), feed), _run(s_cpu, feed)
+        np.testing.assert_allclose(b["hidden"], a["hidden"], rtol=0, atol=tol)
+        if layer_weights == "float32":
+            np.testing.assert_array_equal(b["draft_ids"], a["draft_ids"])

@@ -21,14 +21,17 @@ TAPS = (1, 2)
 QUANT = ("int4", "int8", "w8a8")
 BLOCK_QUANT = ("int4", "int8")   # MatMulNBits formats
 W4A8 = "int4-w4a8"               # the int4 graph with its MatMulNBits nodes run by dspark.cpu::MatMulW4A8
+DEFAULT = "int4-w4a8-cpu-attention"  # that, with dspark.cpu::RaggedAttention: the default build's target
 
 
 def build_target_graph(model, taps, weights, fused=None):
-    """`exporter.target.build_target_graph`, plus W4A8: the int4 graph as `build --int4-kernel w4a8` saves it."""
-    if weights != W4A8:
+    """`exporter.target.build_target_graph`, plus W4A8 (the int4 graph as `build --int4-kernel w4a8
+    --attention-kernel onnx` saves it) and DEFAULT (as `build` saves it)."""
+    if weights not in (W4A8, DEFAULT):
         return _build_target_graph(model, taps, weights, fused)
-    proto, spec = _build_target_graph(model, taps, "int4", fused)
+    proto, spec = _build_target_graph(model, taps, "int4", fused, attention="cpu" if weights == DEFAULT else "onnx")
     assert matmul_w4a8.use_w4a8(proto) > 0
+    assert any(n.op_type == "RaggedAttention" for n in proto.graph.node) == (weights == DEFAULT)
     return proto, spec
 
 
@@ -246,7 +249,7 @@ def test_fused_float_graph_equals_the_standard_one(tiny_target):
     assert np.abs(a["logits"] - b["logits"]).max() < 1e-4
 
 
-@pytest.mark.parametrize("weights", (*QUANT, W4A8))
+@pytest.mark.parametrize("weights", (*QUANT, W4A8, DEFAULT))
 def test_quantized_graph_tracks_the_float_one(tiny_target, weights):
     std, spec = build_target_graph(tiny_target, TAPS, "fp32")
     quant, _ = build_target_graph(tiny_target, TAPS, weights)
@@ -258,7 +261,7 @@ def test_quantized_graph_tracks_the_float_one(tiny_target, weights):
     assert np.isfinite(b["logits"]).all() and corr > (0.95 if weights.startswith("int4") else 0.999), corr
 
 
-@pytest.mark.parametrize("weights", ["int4", W4A8, "int8", "w8a8", "fp32-fused"])
+@pytest.mark.parametrize("weights", ["int4", W4A8, DEFAULT, "int8", "w8a8", "fp32-fused"])
 def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
     """Request 0 alone (bucket 1 and padded to 8) and packed beside three others (prefill, verify and decode rows
     with large activations) gives the same logits, features and K/V to float rounding: every kernel is row-local
@@ -275,7 +278,7 @@ def test_a_rows_outputs_do_not_depend_on_its_batch_mates(tiny_llama, weights):
     padded = _run(sess, _feed(spec, [mine], 4, [9, 20, 0, 30], 8, past))
     packed = _run(sess, _feed(spec, [mine] + others, 4, [9, 20, 0, 30], 32, past))
     for out in (padded, packed):
-        if weights in (*QUANT, W4A8):  # exact attention sums (target.py): bitwise, not just to rounding
+        if weights in (*QUANT, W4A8, DEFAULT):  # exact attention sums (target.py): bitwise, not just to rounding
             for name in ("logits", "aux_hidden", "new_key.3"):
                 np.testing.assert_array_equal(out[name][0], alone[name][0])
         assert np.abs(out["logits"][0] - alone["logits"][0]).max() <= 1e-5 * max(1.0, np.abs(alone["logits"]).max())
@@ -299,7 +302,7 @@ def tiny_mha():
     return make_tiny_target("llama", seed=3, num_key_value_heads=4, head_dim=64)
 
 
-@pytest.mark.parametrize("weights", (*QUANT, W4A8))
+@pytest.mark.parametrize("weights", (*QUANT, W4A8, DEFAULT))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_mha"])
 def test_verification_rows_equal_decode_rows_bitwise(request, model, weights, layout):
@@ -342,11 +345,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41], [100] * 11, [7, 3, 9, 200, 17, 18, 19,
 def quant_engine_dir(request, build_tiny_engine_dir):
     # drafter layers in w8a8 as the shipped drafter builds them, so spec == ar covers both quantized graphs;
     # int4 runs on both kernels (`--int4-kernel`: the default w4a8 and ONNX Runtime's MatMulNBits), and the
-    # MatMulNBits build also drafts with MarkovDraft's standard-op greedy slots (`--markov-draft-kernel onnx`)
+    # MatMulNBits build also keeps standard ops for MarkovDraft's greedy slots and the target's attention
+    # (`--markov-draft-kernel onnx --attention-kernel onnx`)
     weights, _, kernel = request.param.partition("-")
+    onnx_ops = "onnx" if kernel else "cpu"
     return weights, build_tiny_engine_dir(f"engines-{request.param}", weights=weights, drafter_weights="w8a8",
-                                          int4_kernel=kernel or "w4a8", markov_draft_kernel="onnx" if kernel else "cpu",
-                                          **BUCKETS)
+                                          int4_kernel=kernel or "w4a8", markov_draft_kernel=onnx_ops,
+                                          attention_kernel=onnx_ops, **BUCKETS)
 
 
 @pytest.fixture(scope="module")
@@ -388,7 +393,11 @@ def test_profile_records_the_attended_keys(quant_engine_dir, float_engine_dir):
             assert row["P"] == aligned(max(ctx + sps["block_size"] + 1, ctx + row["Q"])), (folder.name, row)
         for row in sps["attention"]["layouts"]:
             assert row["P"] % 128 == 0, row
-        assert len({row["P"] for row in sps["attention"]["layouts"]}) >= 2   # the fit needs two capacities
+        if sps["attention"].get("live_entries_only"):   # RaggedAttention: padding costs nothing, no layout fit
+            assert sps["attention"]["layouts"] == [] and sps["attention"]["ms_per_slot_entry"] == 0
+            assert "dspark.cpu::RaggedAttention" in json.loads((folder / "manifest.json").read_text())["plugins"]
+        else:
+            assert len({row["P"] for row in sps["attention"]["layouts"]}) >= 2   # the fit needs two capacities
 
 
 @pytest.mark.parametrize("policy", ["fixed:4", "fixed:1", "threshold:0.4", "dspark", "dspark-async"])
@@ -415,7 +424,9 @@ def test_quantized_engine_directory(quant_engine_dir, float_engine_dir):
     m = Manifest.load(engine_dir)
     assert m.data["graphs"]["target"]["spec"]["weights"] == weights
     w4a8 = weights == "int4" and m.data["build_config"]["int4_kernel"] == "w4a8"
-    assert cpu_ops.graph_uses_cpu_ops(engine_dir / "graphs" / "target.onnx") == w4a8
+    cpu_attention = m.data["build_config"]["attention_kernel"] == "cpu"
+    assert ("dspark.cpu::RaggedAttention" in m.data["plugins"]) == cpu_attention
+    assert cpu_ops.graph_uses_cpu_ops(engine_dir / "graphs" / "target.onnx") == (w4a8 or cpu_attention)
     assert ("dspark.cpu::MatMulW4A8" in m.data["plugins"]) == w4a8
     cpu_greedy = m.data["build_config"]["markov_draft_kernel"] == "cpu"
     assert ("dspark.cpu::MarkovDraftGreedy" in m.data["plugins"]) == cpu_greedy
@@ -494,7 +505,7 @@ def test_gguf_type_we_cannot_dequantize_is_named(tmp_path):
         load_target(path)
 
 
-@pytest.mark.parametrize("weights, op", [("int4", "MatMulNBits"), (W4A8, "MatMulW4A8"),
+@pytest.mark.parametrize("weights, op", [("int4", "MatMulNBits"), (W4A8, "MatMulW4A8"), (DEFAULT, "MatMulW4A8"),
                                         ("w8a8", "MatMulIntegerToFloat")])
 def test_tensorrt_lowering_refuses_a_quantized_graph_by_name(tiny_llama, weights, op):
     from dspark_export.engines.trt.lowering import lower_model

@@ -148,6 +148,88 @@ def test_overload_tags_round_trip():
     assert markov_fn._config_from_overload("g4_markov_unknown") is None
 
 
+# -- RaggedAttention -----------------------------------------------------------------------------------------
+
+def _attention_inputs(seed, q_lens=(1, 6, 3), lens=(100, 0, 37), heads=9, kv_heads=3, d=64, capacity=256):
+    rng = np.random.default_rng(seed)
+    qs = np.concatenate([[0], np.cumsum(q_lens)]).astype(I64)
+    n = int(qs[-1])
+    q = rng.normal(size=(n, heads * d)).astype(F32) * 2
+    k, v = (rng.normal(size=(n, kv_heads * d)).astype(F32) for _ in range(2))
+    pk, pv = (rng.normal(size=(len(q_lens), kv_heads, capacity, d)).astype(F32) for _ in range(2))
+    return q, k, v, pk, pv, qs, np.asarray(lens, I64)
+
+
+def _attention_reference(q, k, v, pk, pv, qs, lens, scale, causal=True):
+    """softmax(scale · q·K) V in float64, keys = the cache's live entries then this pass's rows up to the row
+    (every row of the request without `causal`)."""
+    r_count, kvh, _, d = pk.shape
+    group = q.shape[1] // d // kvh
+    out = np.zeros(q.shape, np.float64)
+    for r in range(r_count):
+        rows = slice(qs[r], qs[r + 1])
+        for j in range(qs[r + 1] - qs[r]):
+            for h in range(q.shape[1] // d):
+                g = h // group
+                seen = j + 1 if causal else qs[r + 1] - qs[r]
+                keys = np.concatenate([pk[r, g, :lens[r]], k[rows][:seen].reshape(-1, kvh, d)[:, g]])
+                vals = np.concatenate([pv[r, g, :lens[r]], v[rows][:seen].reshape(-1, kvh, d)[:, g]])
+                s = keys.astype(np.float64) @ q[qs[r] + j, h * d:(h + 1) * d] * scale
+                e = np.exp(s - s.max())
+                out[qs[r] + j, h * d:(h + 1) * d] = e @ vals / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_attention_matches_the_reference_on_both_paths(causal):
+    """Causal (the target) and bidirectional (the drafter block: every row sees its whole block)."""
+    for seed in range(2):
+        inputs = _attention_inputs(seed)
+        fast = cpu_ops.ragged_attention(*inputs, 0.125, causal)
+        np.testing.assert_allclose(fast, _attention_reference(*inputs, 0.125, causal), rtol=2e-5, atol=2e-6)
+        np.testing.assert_array_equal(cpu_ops.ragged_attention(*inputs, 0.125, causal, portable=True), fast)
+
+
+def test_ragged_attention_rows_equal_decode_rows_and_ignore_batch_mates():
+    """Row j of a request's block equals, bit for bit, the one-row pass over a cache that holds the block's first j
+    keys (a decode step after those tokens committed), at another capacity and without the batch mates."""
+    q, k, v, pk, pv, qs, lens = _attention_inputs(3, q_lens=(5, 2), lens=(40, 7), capacity=128)
+    block = cpu_ops.ragged_attention(q, k, v, pk, pv, qs, lens, 0.125)
+    kvh, d = pk.shape[1], pk.shape[3]
+    for j in range(5):
+        cache_k = np.zeros((1, kvh, 256, d), F32)
+        cache_v = np.zeros_like(cache_k)
+        cache_k[0, :, :40], cache_v[0, :, :40] = pk[0, :, :40], pv[0, :, :40]
+        cache_k[0, :, 40:40 + j] = k[:j].reshape(j, kvh, d).transpose(1, 0, 2)
+        cache_v[0, :, 40:40 + j] = v[:j].reshape(j, kvh, d).transpose(1, 0, 2)
+        one = cpu_ops.ragged_attention(q[j:j + 1], k[j:j + 1], v[j:j + 1], cache_k, cache_v, np.array([0, 1], I64),
+                                       np.array([40 + j], I64), 0.125)
+        np.testing.assert_array_equal(one[0], block[j])
+
+
+def test_ragged_attention_in_onnx_runtime_names_bad_input():
+    from onnx import TensorProto, helper
+    import onnxruntime as ort
+
+    node = helper.make_node("RaggedAttention", ["q", "k", "v", "pk", "pv", "qs", "lens"], ["y"],
+                            domain=cpu_ops.DOMAIN, scale=0.125)
+    f = lambda name, elem: helper.make_tensor_value_info(name, elem, None)  # noqa: E731
+    graph = helper.make_graph([node], "g", [f(n, TensorProto.FLOAT) for n in ("q", "k", "v", "pk", "pv")]
+                              + [f("qs", TensorProto.INT64), f("lens", TensorProto.INT64)], [f("y", TensorProto.FLOAT)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    cpu_ops.register(so)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    q, k, v, pk, pv, qs, lens = _attention_inputs(4)
+    feed = dict(q=q[None], k=k[None], v=v[None], pk=pk, pv=pv, qs=qs, lens=lens)
+    [y] = sess.run(None, feed)
+    np.testing.assert_array_equal(y[0], cpu_ops.ragged_attention(q, k, v, pk, pv, qs, lens, 0.125))
+    with pytest.raises(Exception, match=r"cache_lens.*request 0 has 300 entries, outside \[0, P=256\]"):
+        sess.run(None, dict(feed, lens=np.array([300, 0, 37], I64)))
+    with pytest.raises(Exception, match=r"query_start.*0 \.\. N = 10"):
+        sess.run(None, dict(feed, qs=np.array([0, 1, 7, 9], I64)))
+
+
 # -- the library ----------------------------------------------------------------------------------------------
 
 def test_library_is_cached_by_source_hash(tmp_path, monkeypatch):

@@ -200,6 +200,8 @@ def _check_monotone(rows: list[dict], dim: str) -> list[str]:
     return warnings
 
 
+RAGGED_ATTENTION = "dspark.cpu::RaggedAttention"   #: the manifest plugin of a target whose attention reads live entries
+
 def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int = 2, repeats: int = 6,
                         progress: Callable[[str], None] | None = None, budget_ms: float | None = None) -> dict:
     """Fit what padded attention costs on the target engines (module docstring): c_a and c_kv.
@@ -209,7 +211,9 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
     capacity P1 = context_len + w and P2 = min(max(4 · P1, 1024), max_context), both rounded up to KEY_CHUNK
     as the runtime's cache is (P2 at least P1 + KEY_CHUNK), at past length P - w. Why P2 ≥ 1024: the cost per entry grows past the caches' reach (SmolLM2: a fit up to P = 544 predicted
     the P = 1,024 layouts up to 33 % low, `scripts/bench_layout_cost.py`). Layouts that
-    do not fit the largest bucket are left out. Negative coefficients (noise on a model whose attention
+    do not fit the largest bucket are left out. A target whose attention is dspark.cpu::RaggedAttention (it reads
+    only the live cache entries, so padded slots and capacity cost nothing) gets no layouts and a zero fit, with
+    `live_entries_only` true. Negative coefficients (noise on a model whose attention
     costs nothing measurable) are set to 0 after the fit. Where the layouts cannot identify both
     coefficients (one capacity only), both are 0, `underdetermined` is true and `fit_ms` is None.
     `measure_profile` runs it with min(warmup, 2) warm-up and max(3, repeats // 2) timed runs.
@@ -223,9 +227,14 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
         budget_ms: `time_runner`'s time budget per layout (None: always `repeats`).
     Returns:
         {"ms_per_row_entry", "ms_per_slot_entry", "max_error_pct", "layouts": [{"S", "Q", "P", "N", "rows",
-        "median_ms", "p10_ms", "p90_ms", "repeats", "fit_ms"}], "underdetermined" (only when true)}.
+        "median_ms", "p10_ms", "p90_ms", "repeats", "fit_ms"}], "underdetermined" and "live_entries_only" (only
+        when true)}.
     """
     graphs, runtime = engines.manifest.data["graphs"], engines.manifest.runtime
+    if RAGGED_ATTENTION in engines.manifest.data.get("plugins", {}):
+        # the attention reads each request's live entries only: padding a layout costs nothing, SPS(B) prices it
+        return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": [],
+                "live_entries_only": True}
     spec, w = graphs["target"]["spec"], graphs["drafter_block"]["spec"]["block_size"] + 1
     buckets = engines.buckets("target")
     s_max = max(1, min(engines.buckets("drafter_block")[-1], buckets[-1] // w))

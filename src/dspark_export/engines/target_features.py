@@ -177,7 +177,8 @@ class EngineFeatures:
             target also EXACT_MAX_KEYS).
         target_layer_ids: the graph's taps (`aux` is their outputs, in this order).
         hidden_size: H.
-        specialised_layers: layers whose attention `_empty_cache_prefill` rewrote (0 for an fp32 target).
+        specialised_layers: layers whose attention `_empty_cache_prefill` rewrote (0 for an fp32 target, and for
+            dspark.cpu::RaggedAttention, which reads only the live entries already).
     Raises:
         ConfigError: not an engine directory, or a target graph without the expected outputs.
     """

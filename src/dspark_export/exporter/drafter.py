@@ -50,6 +50,7 @@ import onnx
 import torch
 
 from ..errors import ConfigError
+from ..plugins.cpu_ops import DOMAIN as CPU_DOMAIN
 from ..plugins.markov_draft import onnx_function as markov_fn
 from ..plugins.markov_draft.schema import D2T_INITIALIZER
 from ..plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB as _OUTSIDE_DRAFT_VOCAB
@@ -412,19 +413,28 @@ def _norm_residual(b: GraphBuilder, h: str, delta: str, weight: str, eps: float,
 
 
 def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tuple[np.ndarray, float],
-                        exact: bool = True) -> str:
+                        exact: bool = True, attention: str = "onnx") -> str:
     """Every drafter layer and the final norm over the block rows h [1, R·γ, H] (positions pos [1, R·γ]) in the
     fused form (see the comment above) -> the post-final-norm rows [R·γ, H]. `exact` = False uses
     SkipSimplifiedLayerNormalization and RotaryEmbedding (over [max_position + γ, D/2] tables: a block reaches
-    γ - 1 past its last context position)."""
+    γ - 1 past its last context position). `attention` "cpu": one `dspark.cpu::RaggedAttention` node a layer
+    (causal 0: every block row sees the context and the whole block; head dims a multiple of 16 up to 512),
+    else `_fused_block_attention`."""
     b.opsets[MS_DOMAIN] = 1
     nh, nkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    cpu_attention = attention == "cpu" and d % 16 == 0 and d <= 512
+    if cpu_attention:
+        b.opsets[CPU_DOMAIN] = 1
+        requests = b.op("Squeeze", [b.op("Shape", ["anchor_ids"], "block_starts"), b.const([0])], "block_starts")
+        block_starts = b.op("Mul", [b.op("Range", [b.const(0), b.op("Add", [requests, b.const(1)], "block_starts"),
+                                                   b.const(1)], "block_starts"), b.const(c.block_size)],
+                            "block_starts")                                          # [R+1]: r·γ
     if exact:
         cos, sin = rope_cos_sin(b, b.op("Reshape", [pos, b.const([-1])], "rope"), *rope)
     else:  # named apart from the target's tables (another row count): `save_model(share_from=...)` keeps both
         cos, sin = rope_tables(*rope, c.max_position_embeddings + c.block_size)
         cos, sin = b.weight("drafter_block.rope.cos_cache", cos), b.weight("drafter_block.rope.sin_cache", sin)
-    actx = _fused_attention_context(b, c)
+    actx = None if cpu_attention else _fused_attention_context(b, c)
     delta = None
     for i in range(c.num_hidden_layers):
         p, a, m, name = f"layers.{i}", f"layers.{i}.self_attn", f"layers.{i}.mlp", f"layers.{i}"
@@ -453,7 +463,13 @@ def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tu
         else:
             q = b.op("RotaryEmbedding", [q, pos, cos, sin], f"{name}/attn/q_rope", domain=MS_DOMAIN)
             k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
-        attn = _fused_block_attention(b, c, i, q, k, v, actx, f"{name}/attn")
+        if cpu_attention:
+            rows = lambda t, heads: b.op("Reshape", [t, b.const([1, -1, heads * d])], f"{name}/attn")  # noqa: E731
+            attn = b.op("RaggedAttention", [rows(q, nh), rows(k, nkv), rows(v, nkv), f"context_key.{i}",
+                                            f"context_value.{i}", block_starts, "context_lens"], f"{name}/attn",
+                        domain=CPU_DOMAIN, scale=float(d ** -0.5), causal=0)
+        else:
+            attn = _fused_block_attention(b, c, i, q, k, v, actx, f"{name}/attn")
         attn = linear(b, attn, f"{a}.o_proj.weight", sd[f"{a}.o_proj.weight"], f"{name}/attn/o_proj",
                       sd.get(f"{a}.o_proj.bias"), f"{a}.o_proj.bias")
         w_post = b.weight(f"{p}.post_attention_layernorm.weight", sd[f"{p}.post_attention_layernorm.weight"])
@@ -487,7 +503,7 @@ def _block_inputs(b: GraphBuilder, c, spec, batch_axis: bool = False) -> tuple[s
 
 def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.ndarray | None,
                       lm_head_dtype: str = "float32", d2t=None, layer_weights: str = "float32",
-                      fused: bool | str | None = None) -> onnx.ModelProto:
+                      fused: bool | str | None = None, attention: str = "onnx") -> onnx.ModelProto:
     """drafter_block.onnx: anchors + context cache -> drafts, draft logits, confidence.
 
     Args:
@@ -499,6 +515,7 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
             which MatMulNBits' int8 activations can turn into a quantization step). None = True exactly when
             the layers are quantized (MatMulNBits already ties the graph to ONNX Runtime), so the float32
             block stays standard ONNX for the TensorRT lowering.
+        attention: the fused forms' attention: "onnx" or "cpu" (`_fused_block_layers`).
     Raises:
         ConfigError: `lm_head_dtype` is not one of `LM_HEAD_DTYPES`, a bad `d2t`, `layer_weights` or `fused`.
     """
@@ -519,7 +536,7 @@ def build_block_graph(drafter, rope: tuple[np.ndarray, float], target_embed: np.
     embed = b.weight(_embed_name(sd, "embed_tokens.weight", target_embed), sd["embed_tokens.weight"])
     h = b.op("Gather", [embed, ids], "embed_tokens", axis=0)
     if fused:
-        h = _fused_block_layers(b, sd, c, h, pos, rope, exact=fused != "contrib")
+        h = _fused_block_layers(b, sd, c, h, pos, rope, exact=fused != "contrib", attention=attention)
     else:
         cos, sin = rope_cos_sin(b, pos, *rope)
         for i in range(c.num_hidden_layers):
@@ -583,7 +600,7 @@ def _head_weights(b: GraphBuilder, sd: dict, spec: DrafterGraphSpec, d2t: np.nda
 
 
 def build_drafter_graphs(drafter, rope, target_embed=None, lm_head_dtype: str = "float32", d2t=None,
-                         layer_weights: str = "float32"):
+                         layer_weights: str = "float32", attention: str = "onnx"):
     """Returns (context ModelProto, block ModelProto, DrafterGraphSpec); arguments as in `build_block_graph`.
 
     Raises:
@@ -592,15 +609,16 @@ def build_drafter_graphs(drafter, rope, target_embed=None, lm_head_dtype: str = 
     if layer_weights not in LAYER_WEIGHTS:
         raise ConfigError(f"drafter layer weights: expected one of {list(LAYER_WEIGHTS)}, found {layer_weights!r}")
     with torch.no_grad():
-        block = build_block_graph(drafter, rope, target_embed, lm_head_dtype, d2t, layer_weights)
+        block = build_block_graph(drafter, rope, target_embed, lm_head_dtype, d2t, layer_weights,
+                                  attention=attention)
         return (build_context_graph(drafter, rope, layer_weights), block,
                 _spec(drafter, lm_head_dtype, 0 if d2t is None else len(d2t), layer_weights))
 
 
 def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
                    target_graph: Path | None = None, lm_head_dtype: str = "float32",
-                   target_weights: str = "fp32", d2t=None,
-                   layer_weights: str = "float32") -> tuple[list[Path], DrafterGraphSpec]:
+                   target_weights: str = "fp32", d2t=None, layer_weights: str = "float32",
+                   attention: str = "onnx") -> tuple[list[Path], DrafterGraphSpec]:
     """Write drafter_context.onnx and drafter_block.onnx (+ .data) into `out_dir`.
 
     Args:
@@ -615,8 +633,10 @@ def export_drafter(drafter, rope, out_dir: Path, target_embed=None,
             target's quantized table (`quantize.share_quantized_embedding`) instead of a float copy.
         d2t: draft vocabulary [N] (`draft_vocab_head`), None = the full vocabulary.
         layer_weights: "float32", "int8", "int4" or "w8a8" drafter layers (`quantize_drafter_layers`).
+        attention: the block's attention in its fused forms, "onnx" or "cpu" (`build_block_graph`).
     """
-    ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed, lm_head_dtype, d2t, layer_weights)
+    ctx, block, spec = build_drafter_graphs(drafter, rope, target_embed, lm_head_dtype, d2t, layer_weights,
+                                            attention)
     if target_embed is not None:
         from .quantize import WeightFormat, share_quantized_embedding
 

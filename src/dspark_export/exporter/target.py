@@ -37,12 +37,16 @@ import numpy as np
 import onnx
 import torch
 
-from ..errors import ExportError
+from ..errors import ConfigError, ExportError
+from ..plugins.cpu_ops import DOMAIN as CPU_DOMAIN
 from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
                       save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
 from .quantize import KEY_CHUNK, MS_DOMAIN, WeightFormat, gather_block_quantized, project
 
-__all__ = ["TargetGraphSpec", "build_target_graph", "export_target", "target_io_contract"]
+__all__ = ["TargetGraphSpec", "build_target_graph", "export_target", "target_io_contract", "ATTENTION_KERNELS"]
+
+#: `build --attention-kernel`: what runs the quantized (fused) target's attention
+ATTENTION_KERNELS = ("cpu", "onnx")
 
 SUPPORTED_ACT = ("silu",)
 
@@ -159,8 +163,8 @@ def _layer(b, sd, spec: TargetGraphSpec, i: int, h: str, ctx: dict, eps: float) 
     return h, proj["k"], proj["v"]
 
 
-def build_target_graph(model, tap_layer_ids, weights: str = "fp32",
-                       fused: bool | None = None) -> tuple[onnx.ModelProto, TargetGraphSpec]:
+def build_target_graph(model, tap_layer_ids, weights: str = "fp32", fused: bool | None = None,
+                       attention: str = "onnx") -> tuple[onnx.ModelProto, TargetGraphSpec]:
     """Build the target graph from a transformers causal LM.
 
     Args:
@@ -169,13 +173,19 @@ def build_target_graph(model, tap_layer_ids, weights: str = "fp32",
         weights: "fp32", "int4", "int8" or "w8a8" (exporter/quantize.py): the linear layers, LM head and embedding.
         fused: build the fused form (`_build_fused`: ONNX Runtime contrib ops, fewer nodes per layer).
             None = fused exactly when quantized, so the fp32 graph stays standard ONNX (the TensorRT path).
+        attention: the fused form's attention: "onnx" (ONNX Runtime ops: `builder.two_part_attention`, or
+            `_exact_attention` when quantized) or "cpu" (one `dspark.cpu::RaggedAttention` node a layer,
+            `plugins/cpu_ops`: the same exact-order contract, reading only the live cache entries; head dims
+            that are not a multiple of 16 up to 512 keep "onnx").
     Returns:
         (onnx.ModelProto, TargetGraphSpec).
     Raises:
         ExportError: unsupported activation or invalid taps.
-        ConfigError: an unknown weight format.
+        ConfigError: an unknown weight format or attention kernel.
     """
     fmt = WeightFormat(weights)
+    if attention not in ATTENTION_KERNELS:
+        raise ConfigError(f"target attention kernel: expected one of {list(ATTENTION_KERNELS)}, found {attention!r}")
     spec = _spec_from_model(model, tap_layer_ids, fmt.name)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     eps = float(model.config.rms_norm_eps)
@@ -185,7 +195,7 @@ def build_target_graph(model, tap_layer_ids, weights: str = "fp32",
     if fmt.quantized or fused:
         if fused is False:
             raise ExportError(f"target graph: weights {fmt.name} need the fused graph (its quantized ops are contrib ops)")
-        return _build_fused(b, model, spec, sd, eps, fmt), spec
+        return _build_fused(b, model, spec, sd, eps, fmt, attention), spec
     embed = b.weight("model.embed_tokens.weight", sd["model.embed_tokens.weight"])
     h = b.op("Gather", [embed, "input_ids"], "embed_tokens", axis=0)
     inv_freq, scaling = _rope(model)
@@ -211,10 +221,12 @@ def build_target_graph(model, tap_layer_ids, weights: str = "fp32",
     return b.model(doc="dspark-export target graph (docs/ARCHITECTURE.md: target.onnx)"), spec
 
 
-def export_target(model, tap_layer_ids, path: Path, weights: str = "fp32") -> tuple[list[Path], TargetGraphSpec]:
-    """Build the target graph in weight format `weights`, write it to `path` (+ `path`.data); returns (files, spec)."""
+def export_target(model, tap_layer_ids, path: Path, weights: str = "fp32",
+                  attention: str = "onnx") -> tuple[list[Path], TargetGraphSpec]:
+    """Build the target graph in weight format `weights` (fused forms: `attention`), write it to `path`
+    (+ `path`.data); returns (files, spec)."""
     with torch.no_grad():
-        proto, spec = build_target_graph(model, tap_layer_ids, weights)
+        proto, spec = build_target_graph(model, tap_layer_ids, weights, attention=attention)
     return save_model(proto, path), spec
 
 
@@ -377,8 +389,8 @@ def _exact_attention(b: GraphBuilder, s_past: str, s_new: str, v_new: str, past_
 
 
 def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: float,
-                 fmt: WeightFormat) -> onnx.ModelProto:
-    """The fused target graph (see the comment above `_to_output`), weights in `fmt`."""
+                 fmt: WeightFormat, attention: str = "onnx") -> onnx.ModelProto:
+    """The fused target graph (see the comment above `_to_output`), weights in `fmt`, attention by `attention`."""
     b.opsets[MS_DOMAIN] = 1
     nh, nkv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
     ids = b.op("Unsqueeze", ["input_ids", b.const([0])], "embed_tokens")
@@ -391,7 +403,11 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
     inv_freq, scaling = _rope(model)
     cos, sin = rope_tables(inv_freq, scaling, spec.max_position_embeddings)
     cos, sin = b.weight("rope.cos_cache", cos), b.weight("rope.sin_cache", sin)
-    actx = _attention_context(b, spec, exact=fmt.quantized)
+    attention = "cpu" if attention == "cpu" and d % 16 == 0 and d <= 512 else "onnx"   # the kernel's head dims
+    if attention == "cpu":
+        b.opsets[CPU_DOMAIN] = 1
+    else:
+        actx = _attention_context(b, spec, exact=fmt.quantized)
     taps, delta = [], None
     for i in range(spec.num_layers):
         p, name = f"model.layers.{i}", f"layers.{i}"
@@ -418,7 +434,11 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
         _to_output(b, "Reshape", [k, b.const([-1, nkv, d])], f"new_key.{i}", ["N", nkv, d], f"{name}/new_key")
         _to_output(b, "Reshape", [v, b.const([-1, nkv, d])], f"new_value.{i}", ["N", nkv, d], f"{name}/new_value")
-        attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn")
+        if attention == "cpu":
+            attn = b.op("RaggedAttention", [q, k, v, f"past_key.{i}", f"past_value.{i}", "query_start", "cache_lens"],
+                        f"{name}/attn", domain=CPU_DOMAIN, scale=float(d ** -0.5))   # [1, N, nH·D]
+        else:
+            attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn")
         o_key = f"{a}.o_proj"
         attn = project(b, attn, f"{o_key}.weight", sd[f"{o_key}.weight"], fmt, f"{name}/attn/o_proj",
                         sd.get(f"{o_key}.bias"), f"{o_key}.bias")

@@ -4,6 +4,8 @@ Ops (one source each, registered together by ``register.cpp``; the C API plumbin
 - ``MatMulW4A8`` (``matmul_w4a8.cpp``): MatMulNBits' int4 product with cheap extra rows (``plugins/matmul_w4a8``).
 - ``MarkovDraftGreedy`` (``markov_draft_greedy.cpp``): the greedy slots of ``dspark::MarkovDraft`` in one pass per
   slot, used inside the op's ONNX function (``markov_draft/onnx_function.py: use_cpu_greedy``).
+- ``RaggedAttention`` (``ragged_attention.cpp``): the quantized target's attention over a packed ragged batch, the
+  KV cache read in place, sums in one fixed order per row (``exporter/target.py``, ``attention="cpu"``).
 
 The library is compiled by the system C++ compiler and cached under ``$DSPARK_CACHE_DIR`` (default
 ``~/.cache/dspark-export``), keyed by the sources' hash, like Triton's or torch.utils.cpp_extension's JIT builds.
@@ -30,11 +32,11 @@ import onnx
 from ...errors import ConfigError, EngineDirError
 
 __all__ = ["DOMAIN", "SOURCES", "library_path", "library", "register", "register_for", "graph_uses_cpu_ops",
-           "rewrite_graph_file", "markov_draft_greedy"]
+           "rewrite_graph_file", "markov_draft_greedy", "ragged_attention"]
 
 DOMAIN = "dspark.cpu"
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / name for name in ("matmul_w4a8.cpp", "markov_draft_greedy.cpp", "register.cpp"))
+SOURCES = tuple(_HERE / name for name in ("matmul_w4a8.cpp", "markov_draft_greedy.cpp", "ragged_attention.cpp", "register.cpp"))
 HEADERS = (_HERE / "ort_api.h",)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off"]
 _FALLBACK = ("set CXX, install g++, or build the engines with --int4-kernel matmulnbits "
@@ -162,3 +164,23 @@ def markov_draft_greedy(base_logits: np.ndarray, anchor_ids: np.ndarray, markov_
         raise ConfigError(f"MarkovDraftGreedy: a token fed to markov_w1 is outside [0, V={w1.shape[0]}) "
                           "(anchor_ids or d2t out of range)")
     return ids, logits
+
+
+def ragged_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past_key: np.ndarray, past_value: np.ndarray,
+                     query_start: np.ndarray, cache_lens: np.ndarray, scale: float, causal: bool = True,
+                     portable: bool = False) -> np.ndarray:
+    """RaggedAttention on numpy arrays (tests): q [N, nH·D], k and v [N, kvH·D], past_key and past_value
+    [R, kvH, P, D] float32, query_start [R+1], cache_lens [R] int64 -> [N, nH·D] float32 (`causal` False: every
+    row sees all its request's keys; `portable`: the portable path, same bits). Shapes are the op's (ragged_attention.cpp); this entry does not check them."""
+    arrays = [np.ascontiguousarray(a, np.float32) for a in (q, k, v, past_key, past_value)]
+    qs, lens = (np.ascontiguousarray(a, np.int64) for a in (query_start, cache_lens))
+    r, kvh, cap, d = arrays[3].shape
+    out = np.zeros(arrays[0].shape, np.float32)
+    fn = library().dspark_ragged_attention
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p] * 7 + [i64] * 5 + [ctypes.c_float, ctypes.c_int, p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    ptr = lambda a: a.ctypes.data_as(p)  # noqa: E731
+    fn(*map(ptr, arrays), ptr(qs), ptr(lens), r, arrays[0].shape[-1] // d, kvh, d, cap, scale, int(causal), ptr(out),
+       int(portable))
+    return out

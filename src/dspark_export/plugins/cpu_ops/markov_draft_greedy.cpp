@@ -18,7 +18,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -168,9 +167,7 @@ void draft_request(void* data, size_t i) {
 }
 
 struct Kernel {
-  explicit Kernel(const OrtKernelInfo* info) : constant(constant_input(info, 3)) {
-    if (std::getenv("DSPARK_DEBUG_CONST")) fprintf(stderr, "markov w2 constant=%d\n", (int)constant);
-  }
+  explicit Kernel(const OrtKernelInfo* info) : constant(constant_input(info, 3)) {}
   const bool constant;  // markov_w2 is an initializer: pack once (else every call, as its values may change)
   std::mutex mutex;
   std::shared_ptr<PackedW2> packed;

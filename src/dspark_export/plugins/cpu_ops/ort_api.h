@@ -39,6 +39,8 @@ enum Slot : int {  // indices into OrtApi (function pointers)
   kGetDimensionsCount = 61,
   kGetDimensions = 62,
   kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttributeFloat = 85,
+  kKernelInfoGetAttributeInt64 = 86,
   kKernelContextGetInputCount = 88,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
@@ -102,6 +104,14 @@ Status data_of(const OrtValue* v, T*& out) {
   DSPARK_TRY(api<Status (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), &p));
   out = static_cast<T*>(p);
   return nullptr;
+}
+
+inline Status attribute_float(const OrtKernelInfo* info, const char* name, float& value) {
+  return api<Status (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(info, name, &value);
+}
+
+inline Status attribute_int(const OrtKernelInfo* info, const char* name, int64_t& value) {
+  return api<Status (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name, &value);
 }
 
 // Whether input `index` is a constant initializer of the graph (so its contents never change between calls).
@@ -192,5 +202,6 @@ CustomOp make_op() {
 // The ops register.cpp adds to the dspark.cpu domain.
 const CustomOp* matmul_w4a8_op();
 const CustomOp* markov_draft_greedy_op();
+const CustomOp* ragged_attention_op();
 
 }  // namespace dspark_cpu

@@ -1,5 +1,5 @@
 // The dspark.cpu custom-op library's entry point: `SessionOptions.register_custom_ops_library` calls
-// `RegisterCustomOps`, which adds the domain with every op of the library (MatMulW4A8, MarkovDraftGreedy).
+// `RegisterCustomOps`, which adds the domain with every op of the library (MatMulW4A8, MarkovDraftGreedy, RaggedAttention).
 
 #include <mutex>
 
@@ -19,7 +19,7 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   std::lock_guard<std::mutex> lock(m);
   if (!domain) {
     DSPARK_TRY(api<Status (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("dspark.cpu", &domain));
-    for (const CustomOp* op : {matmul_w4a8_op(), markov_draft_greedy_op()})
+    for (const CustomOp* op : {matmul_w4a8_op(), markov_draft_greedy_op(), ragged_attention_op()})
       DSPARK_TRY(api<Status (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(domain, op));
   }
   return api<Status (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
