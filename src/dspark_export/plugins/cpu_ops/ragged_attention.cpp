@@ -65,7 +65,8 @@ constexpr float kPoly[7] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f
 struct Group {  // one (request, kv head)
   const float *pk, *pv;  // the cache rows of kv head g, [P, D]
   const float *q, *k, *v;  // this pass's rows of request r (q at its first row; k, v at kv head g)
-  int64_t len, rows, group, keys, n, d, q_stride, kv_stride;
+  int64_t len, rows, group, keys, d, q_stride, kv_stride;
+  int64_t a0, a1;  // the rows this task computes; s, acc and total are indexed by a − a0
   bool causal;
   const float* key(int64_t t) const { return t < len ? pk + t * d : k + (t - len) * kv_stride; }
   const float* value(int64_t t) const { return t < len ? pv + t * d : v + (t - len) * kv_stride; }
@@ -84,12 +85,12 @@ struct Portable {
   }
   static void scores(const Group& w, float scale, float* s) {
     for (int64_t t = 0; t < w.keys; ++t)
-      for (int64_t a = w.first_row(t); a < w.n; ++a) {
+      for (int64_t a = std::max(w.first_row(t), w.a0); a < w.a1; ++a) {
         const float *q = w.query(a), *k = w.key(t);
         float part[kLanes] = {};
         for (int64_t c = 0; c < w.d; c += kLanes)
           for (int64_t l = 0; l < kLanes; ++l) part[l] = std::fma(q[c + l], k[c + l], part[l]);
-        s[a * w.keys + t] = tree(part) * scale;
+        s[(a - w.a0) * w.keys + t] = tree(part) * scale;
       }
   }
   static float exp1(float x) {
@@ -111,9 +112,10 @@ struct Portable {
   }
   static void values(const Group& w, const float* e, float* acc) {
     for (int64_t t = 0; t < w.keys; ++t)
-      for (int64_t a = w.first_row(t); a < w.n; ++a) {
-        const float *v = w.value(t), ea = e[a * w.keys + t];
-        for (int64_t c = 0; c < w.d; ++c) acc[a * w.d + c] = std::fma(ea, v[c], acc[a * w.d + c]);
+      for (int64_t a = std::max(w.first_row(t), w.a0); a < w.a1; ++a) {
+        const float *v = w.value(t), ea = e[(a - w.a0) * w.keys + t];
+        float* out = acc + (a - w.a0) * w.d;
+        for (int64_t c = 0; c < w.d; ++c) out[c] = std::fma(ea, v[c], out[c]);
       }
   }
 };
@@ -127,15 +129,44 @@ struct Avx512 {
     const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
   }
+  // 16 keys' partials reduced at once by the same tree: each add below is one of the tree's additions, for
+  // two keys side by side. The result's lane 4q + m holds key 4m + q.
+  AVX512 inline __m512 tree16(const __m512* p) {
+    __m512 c[8], f[4], g[2];
+    for (int i = 0; i < 8; ++i)   // l += l + 8
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44), _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)   // l += l + 4
+      f[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)   // l += l + 2
+      g[i] = _mm512_add_ps(_mm512_shuffle_ps(f[2 * i], f[2 * i + 1], 0x44), _mm512_shuffle_ps(f[2 * i], f[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));  // l += l + 1
+  }
   AVX512 void scores(const Group& w, float scale, float* s) {
-    for (int64_t t = 0; t < w.keys; ++t)
-      for (int64_t a = w.first_row(t); a < w.n; ++a) {
-        const float *q = w.query(a), *k = w.key(t);
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t a = w.a0; a < w.a1; ++a) {
+      const float* q = w.query(a);
+      float* row = s + (a - w.a0) * w.keys;
+      const int64_t live = w.live(a);
+      int64_t t = 0;
+      for (; t + kLanes <= live; t += kLanes) {
+        __m512 part[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const float* k = w.key(t + i);
+          part[i] = _mm512_setzero_ps();
+          for (int64_t c = 0; c < w.d; c += kLanes)
+            part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), part[i]);
+        }
+        _mm512_storeu_ps(row + t, _mm512_mul_ps(_mm512_permutexvar_ps(order, tree16(part)), vscale));
+      }
+      for (; t < live; ++t) {
+        const float* k = w.key(t);
         __m512 part = _mm512_setzero_ps();
         for (int64_t c = 0; c < w.d; c += kLanes)
           part = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), part);
-        s[a * w.keys + t] = tree(part) * scale;
+        row[t] = tree(part) * scale;
       }
+    }
   }
   AVX512 inline __m512 exp16(__m512 x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.f), _CMP_GE_OQ);
@@ -162,69 +193,87 @@ struct Avx512 {
     return tree(part);
   }
   AVX512 void values(const Group& w, const float* e, float* acc) {
-    for (int64_t t = 0; t < w.keys; ++t)
-      for (int64_t a = w.first_row(t); a < w.n; ++a) {
-        const float* v = w.value(t);
-        const __m512 ea = _mm512_set1_ps(e[a * w.keys + t]);
-        for (int64_t c = 0; c < w.d; c += kLanes)
-          _mm512_storeu_ps(acc + a * w.d + c,
-                           _mm512_fmadd_ps(ea, _mm512_loadu_ps(v + c), _mm512_loadu_ps(acc + a * w.d + c)));
+    for (int64_t a = w.a0; a < w.a1; ++a) {
+      const int64_t live = w.live(a);
+      const float* ew = e + (a - w.a0) * w.keys;
+      for (int64_t c = 0; c < w.d; c += 4 * kLanes) {   // 4 vectors of the row's accumulator in registers
+        const int64_t width = std::min<int64_t>(4, (w.d - c) / kLanes);
+        __m512 r[4];
+        for (int64_t i = 0; i < width; ++i) r[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < live; ++t) {
+          const float* v = w.value(t) + c;
+          const __m512 ea = _mm512_set1_ps(ew[t]);
+          for (int64_t i = 0; i < width; ++i) r[i] = _mm512_fmadd_ps(ea, _mm512_loadu_ps(v + i * kLanes), r[i]);
+        }
+        for (int64_t i = 0; i < width; ++i) _mm512_storeu_ps(acc + (a - w.a0) * w.d + c + i * kLanes, r[i]);
       }
+    }
   }
 };
 #undef AVX512
 #endif
 
-// One (request r, kv head g): every row of the request for its G query heads.
+// Rows [a0, a1) of one (request r, kv head g): row a = j·G + gh is head g·G + gh of the request's row j.
 template <class K>
-void attend_group(const Problem* pp, int64_t r, int64_t g, std::vector<float>& scratch) {
+void attend(const Problem* pp, int64_t r, int64_t g, int64_t a0, int64_t a1, std::vector<float>& scratch) {
   const Problem& p = *pp;
   Group w{};
   w.d = p.head_dim, w.group = p.num_heads / p.kv_heads, w.len = p.cache_lens[r], w.causal = p.causal;
   const int64_t first = p.query_start[r];
-  w.rows = p.query_start[r + 1] - first, w.keys = w.len + w.rows, w.n = w.rows * w.group;
-  if (w.rows == 0) return;
+  w.rows = p.query_start[r + 1] - first, w.keys = w.len + w.rows, w.a0 = a0, w.a1 = a1;
+  const int64_t n = a1 - a0;
+  if (n <= 0) return;
   w.q_stride = p.num_heads * w.d, w.kv_stride = p.kv_heads * w.d;
   w.pk = p.past_key + ((r * p.kv_heads + g) * p.capacity) * w.d;
   w.pv = p.past_value + ((r * p.kv_heads + g) * p.capacity) * w.d;
   w.q = p.q + first * w.q_stride + g * w.group * w.d;
   w.k = p.k + first * w.kv_stride + g * w.d;
   w.v = p.v + first * w.kv_stride + g * w.d;
-  scratch.assign(static_cast<size_t>(w.n * (w.keys + w.d + 1)), 0.f);
-  float* s = scratch.data();              // [n, keys] scores, then weights
-  float* acc = s + w.n * w.keys;          // [n, D]
-  float* total = acc + w.n * w.d;         // [n]
+  scratch.assign(static_cast<size_t>(n * (w.keys + w.d + 1)), 0.f);
+  float* s = scratch.data();          // [n, keys] scores, then weights
+  float* acc = s + n * w.keys;        // [n, D]
+  float* total = acc + n * w.d;       // [n]
   K::scores(w, p.scale, s);
-  for (int64_t a = 0; a < w.n; ++a) total[a] = K::softmax_row(s + a * w.keys, w.live(a));
+  for (int64_t a = a0; a < a1; ++a) total[a - a0] = K::softmax_row(s + (a - a0) * w.keys, w.live(a));
   K::values(w, s, acc);
-  for (int64_t a = 0; a < w.n; ++a) {
+  for (int64_t a = a0; a < a1; ++a) {
     float* o = p.out + (first + a / w.group) * w.q_stride + (g * w.group + a % w.group) * w.d;
-    for (int64_t c = 0; c < w.d; ++c) o[c] = acc[a * w.d + c] / total[a];
+    for (int64_t c = 0; c < w.d; ++c) o[c] = acc[(a - a0) * w.d + c] / total[a - a0];
   }
 }
 
-using AttendFn = void (*)(const Problem*, int64_t, int64_t, std::vector<float>&);
+using AttendFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t, std::vector<float>&);
 
 AttendFn pick() {
 #ifdef ATTENTION_X86
   const char* force = std::getenv("DSPARK_W4A8_PORTABLE");
-  if (!(force && force[0] == '1') && __builtin_cpu_supports("avx512f")) return attend_group<Avx512>;
+  if (!(force && force[0] == '1') && __builtin_cpu_supports("avx512f")) return attend<Avx512>;
 #endif
-  return attend_group<Portable>;
+  return attend<Portable>;
 }
 
 const AttendFn g_attend = pick();
 
+// A task is one row j of a request for the G heads of one kv head (each key read once for the G of them), or,
+// when that gives fewer than kMinTasks tasks (a lone decode row), one row and one head: an even split over
+// the threads matters more there than reading a key G times from cache.
+constexpr int64_t kMinTasks = 8;
+
+struct Task {
+  int64_t r, g, a0, a1;
+};
+
 struct Job {
   const Problem* p;
   AttendFn attend;
+  std::vector<Task> tasks;
 };
 
 void run_task(void* data, size_t i) {
   auto* job = static_cast<Job*>(data);
   thread_local std::vector<float> scratch;
-  const int64_t groups = job->p->kv_heads;
-  job->attend(job->p, static_cast<int64_t>(i) / groups, static_cast<int64_t>(i) % groups, scratch);
+  const Task& t = job->tasks[i];
+  job->attend(job->p, t.r, t.g, t.a0, t.a1, scratch);
 }
 
 struct Kernel {
@@ -304,10 +353,15 @@ Status compute(void* state, OrtKernelContext* ctx) {
   DSPARK_TRY(data_of(out, p.out));
   p.num_heads = heads, p.kv_heads = d[3][1], p.head_dim = d[3][3], p.capacity = d[3][2], p.scale = scale;
   p.causal = kernel.causal;
-  const int64_t tasks = d[3][0] * p.kv_heads;
-  if (tasks == 0 || d[0][1] == 0) return nullptr;
-  Job job{&p, g_attend};
-  return parallel_for(ctx, run_task, static_cast<size_t>(tasks), &job);
+  Job job{&p, g_attend, {}};
+  const int64_t group = heads / p.kv_heads;
+  const int64_t width = d[0][1] * p.kv_heads >= kMinTasks ? group : 1;   // query rows (heads of a row) per task
+  for (int64_t r = 0; r < d[3][0]; ++r)
+    for (int64_t g = 0; g < p.kv_heads; ++g)
+      for (int64_t a = 0; a < (p.query_start[r + 1] - p.query_start[r]) * group; a += width)
+        job.tasks.push_back({r, g, a, a + width});
+  if (job.tasks.empty()) return nullptr;
+  return parallel_for(ctx, run_task, job.tasks.size(), &job);
 }
 
 CustomOp make_attention_op() {
@@ -342,7 +396,9 @@ __attribute__((visibility("default"))) int dspark_ragged_attention(const float* 
             scale, causal != 0};
   std::vector<float> scratch;
   for (int64_t r = 0; r < requests; ++r)
-    for (int64_t g = 0; g < kv_heads; ++g) (portable ? attend_group<Portable> : g_attend)(&p, r, g, scratch);
+    for (int64_t g = 0; g < kv_heads; ++g)
+      (portable ? attend<Portable> : g_attend)(&p, r, g, 0, (query_start[r + 1] - query_start[r]) * (num_heads / kv_heads),
+                                               scratch);
   return 0;
 }
 
