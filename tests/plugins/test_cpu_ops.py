@@ -250,7 +250,7 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch):
     cpu_ops.library_path.cache_clear()
     try:
         with pytest.raises(EngineDirError, match=r"no-such-compiler.*--int4-kernel matmulnbits "
-                                                 r"--markov-draft-kernel onnx"):
+                                                 r"--attention-kernel onnx --markov-draft-kernel onnx"):
             cpu_ops.library_path()
         assert not list((tmp_path / "ops").glob("*.so"))
     finally:

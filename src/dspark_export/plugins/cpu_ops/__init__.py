@@ -22,8 +22,8 @@ import os
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +36,11 @@ __all__ = ["DOMAIN", "SOURCES", "library_path", "library", "register", "register
 
 DOMAIN = "dspark.cpu"
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / name for name in ("matmul_w4a8.cpp", "markov_draft_greedy.cpp", "ragged_attention.cpp", "register.cpp"))
+SOURCES = tuple(_HERE / name for name in ("matmul_w4a8.cpp", "markov_draft_greedy.cpp", "ragged_attention.cpp",
+                                          "register.cpp"))
 HEADERS = (_HERE / "ort_api.h",)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off"]
-_FALLBACK = ("set CXX, install g++, or build the engines with --int4-kernel matmulnbits "
+_FALLBACK = ("set CXX, install g++, or build the engines with --int4-kernel matmulnbits --attention-kernel onnx "
              "--markov-draft-kernel onnx")
 
 
