@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .errors import DsparkExportError, RequestError
+from .runtime import DEFAULT_POLICY
 
 log = logging.getLogger("dspark_export")
 
@@ -147,8 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (per request: [seed, index])")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the text ends before it")
-    g.add_argument("--policy", default="dspark",
-                   help="ar | fixed:K | threshold:C | dspark | dspark-async (default dspark)")
+    g.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"ar | fixed:K | threshold:C | dspark | dspark-async (default {DEFAULT_POLICY})")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
     g.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",

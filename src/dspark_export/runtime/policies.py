@@ -21,10 +21,11 @@ import numpy as np
 from ..engines.sps import ThroughputProfile
 from ..errors import ConfigError, RequestError
 from .draft_control import DraftController, SkipController
+from . import DEFAULT_POLICY
 from .scheduler import dspark_async_lengths, dspark_lengths
 
 __all__ = ["Policy", "parse_policy", "ar_lengths", "fixed_lengths", "threshold_lengths",
-           "dspark_lengths", "dspark_async_lengths"]
+           "dspark_lengths", "dspark_async_lengths", "DEFAULT_POLICY"]
 
 _FORMS = "'ar', 'fixed:K' (integer K >= 1), 'threshold:C' (0 < C <= 1), 'dspark' or 'dspark-async'"
 

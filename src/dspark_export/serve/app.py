@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import RequestError
+from ..runtime import DEFAULT_POLICY
 from .engine import AsyncEngine, TextStream
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .openai_protocol import (FINISH_REASONS, ParsedRequest, ProtocolError, chunk_body, error_body, parse_body,
@@ -73,7 +74,7 @@ class ServeConfig:
     """
 
     engine_dir: str | Path
-    policy: str = "dspark"
+    policy: str = DEFAULT_POLICY
     model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = 1 << 20

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..bench.common import check_datasets, check_engine_dir
+from ..runtime import DEFAULT_POLICY
 from ..datasets import read_dataset
 
 __all__ = ["HttpBenchConfig", "run_http_bench", "markdown_table", "write_reports"]
@@ -48,7 +49,7 @@ class HttpBenchConfig:
     datasets: tuple[str, ...] = ("gsm8k", "mt-bench")
     datasets_dir: str | Path | None = None
     max_new_tokens: int = 48
-    policy: str = "dspark"
+    policy: str = DEFAULT_POLICY
     repeats: int = 2
     threads: int = 0
     warmup: bool = True

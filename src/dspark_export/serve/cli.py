@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError
+from ..runtime import DEFAULT_POLICY
 
 EXAMPLES = """examples:
   dspark-export serve --engine-dir engines/smollm2                      # http://127.0.0.1:8000/v1
@@ -43,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1, loopback only; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (8000)")
-    p.add_argument("--policy", default="dspark",
-                   help="default verification policy: ar | fixed:K | threshold:C | dspark | dspark-async (dspark); "
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"default verification policy: ar | fixed:K | threshold:C | dspark | dspark-async ({DEFAULT_POLICY}); "
                         "a request may name its own with the `policy` field")
     p.add_argument("--model-name", default=None, help="model id clients send (default: the engine directory's name)")
     p.add_argument("--api-key", default=None,
@@ -113,7 +114,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated dataset names (default gsm8k,mt-bench)")
     p.add_argument("--datasets-dir", default=None, help="folder of <name>.jsonl files (default ../shared/eval_datasets)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per request (default 48)")
-    p.add_argument("--policy", default="dspark", help="verification policy of both modes (default dspark)")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"verification policy of both modes (default {DEFAULT_POLICY})")
     p.add_argument("--repeats", type=int, default=2, help="runs per (mode, C), modes interleaved (default 2)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads of each engine (0 = its choice)")
     p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up")
