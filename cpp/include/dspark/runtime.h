@@ -99,7 +99,7 @@ struct RuntimeStats {
 
 struct RuntimeOptions {
   std::string engine_dir;          // built by `dspark-export build`
-  std::string policy = "dspark";   // the default verification policy
+  std::string policy = "dspark-async";   // the default verification policy (runtime.DEFAULT_POLICY)
   bool verify_hashes = true;       // check every file's sha256 at open (about 1 s per GB)
   int threads = 0;                 // ONNX Runtime intra-op threads for the target (0 = its default)
   // The Python whose environment provides dspark_export (a venv's bin/python works); "" = the Python the

@@ -1,7 +1,7 @@
 """Text-level Python API over an engine directory.
 
     from dspark_export.runtime.api import Runtime
-    rt = Runtime.open("engines/smollm2", policy="dspark")
+    rt = Runtime.open("engines/smollm2", policy="dspark-async")
     [result] = rt.generate_text(["What is 2+3?"], chat=True, params=SamplingParams(max_new_tokens=64))
     print(result.text, result.stats.acceptance_length)
 """
@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from . import DEFAULT_POLICY
 from ..engines.engine_set import EngineSet
 from ..errors import ConfigError, EngineDirError, RequestError
 from .generator import Generator
@@ -39,7 +40,7 @@ class Runtime:
         self.generator = Generator(engines, policy, detokenize=self.decode)
 
     @classmethod
-    def open(cls, engine_dir: str | Path, policy: str | Policy = "dspark", verify: bool = True,
+    def open(cls, engine_dir: str | Path, policy: str | Policy = DEFAULT_POLICY, verify: bool = True,
              threads: int = 0, backend: str = "onnxruntime", prepack: bool = True) -> "Runtime":
         """Load and check an engine directory, activate all its engines, load its tokenizer.
 

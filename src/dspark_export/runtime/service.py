@@ -5,7 +5,7 @@ Python service (an RPC handler, a web server) uses directly: requests are submit
 one driver thread advances them (`step`), and every step's committed tokens come back as `Event`s
 (`take_events`), so the driver never calls back into foreign code while it holds the interpreter.
 
-    svc = Service.open("engines/smollm2", policy="dspark")
+    svc = Service.open("engines/smollm2", policy="dspark-async")
     rid = svc.submit("What is 2+3?", {"max_new_tokens": 64}, chat=True)
     while svc.has_work():
         svc.step()
@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from . import DEFAULT_POLICY
 from ..errors import RequestError
 from .api import Runtime
 from .generator import Generator
@@ -119,7 +120,7 @@ class Service:
         max_policies (int): distinct policies (generators) kept at once (`MAX_POLICIES`).
     """
 
-    def __init__(self, runtime: Runtime, policy: str | Policy = "dspark", max_slots: int | None = None,
+    def __init__(self, runtime: Runtime, policy: str | Policy = DEFAULT_POLICY, max_slots: int | None = None,
                  max_policies: int = MAX_POLICIES):
         self.runtime = runtime
         self.max_slots = max_slots
@@ -135,7 +136,7 @@ class Service:
         self._generator(self.default_policy)   # fail early: a dspark policy without a profile
 
     @classmethod
-    def open(cls, engine_dir: str | Path, policy: str | Policy = "dspark", verify: bool = True,
+    def open(cls, engine_dir: str | Path, policy: str | Policy = DEFAULT_POLICY, verify: bool = True,
              threads: int = 0) -> "Service":
         """Load and check an engine directory (see `Runtime.open`).
 
