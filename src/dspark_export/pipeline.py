@@ -162,18 +162,10 @@ class BuildConfig:
         if dv not in ("auto", "full") and not (dv.isdigit() and int(dv) >= 1):
             raise ConfigError(f"draft_vocab: expected 'auto', 'full' or a positive number of tokens, found "
                               f"{self.draft_vocab!r}")
-        if self.drafter_weights not in ("auto", *LAYER_WEIGHTS):
-            raise ConfigError(f"drafter_weights: expected one of {['auto', *LAYER_WEIGHTS]}, found "
-                              f"{self.drafter_weights!r}")
-        if self.int4_kernel not in matmul_w4a8.INT4_KERNELS:
-            raise ConfigError(f"int4_kernel: expected one of {list(matmul_w4a8.INT4_KERNELS)}, found "
-                              f"{self.int4_kernel!r}")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ConfigError(f"attention_kernel: expected one of {list(ATTENTION_KERNELS)}, found "
-                              f"{self.attention_kernel!r}")
-        if self.markov_draft_kernel not in MARKOV_DRAFT_KERNELS:
-            raise ConfigError(f"markov_draft_kernel: expected one of {list(MARKOV_DRAFT_KERNELS)}, found "
-                              f"{self.markov_draft_kernel!r}")
+        for name, choices in (("drafter_weights", ("auto", *LAYER_WEIGHTS)), ("int4_kernel", matmul_w4a8.INT4_KERNELS),
+                              ("attention_kernel", ATTENTION_KERNELS), ("markov_draft_kernel", MARKOV_DRAFT_KERNELS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}: expected one of {list(choices)}, found {getattr(self, name)!r}")
         if self.profile_repeats < 1:
             raise ConfigError(f"profile_repeats: expected >= 1 timed runs, found {self.profile_repeats}")
         if not 1 <= self.profile_context <= self.max_context - (self.block_size + 1):
@@ -455,7 +447,7 @@ def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str =
                                      attention=attention_kernel)
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
     block = next(f for f in d_files if f.name == "drafter_block.onnx")
-    used = ["RaggedAttention"] if any(map(cpu_ops.graph_uses_cpu_ops, (t_files[0], block))) else []
+    used = [cpu_ops.RAGGED_ATTENTION] if any(map(cpu_ops.graph_uses_cpu_ops, (t_files[0], block))) else []
     if int4_kernel == "w4a8" and sum(cpu_ops.rewrite_graph_file(path, matmul_w4a8.use_w4a8)
                                      for path in (t_files[0], *(f for f in d_files if f.suffix == ".onnx"))):
         used.append(matmul_w4a8.OP)

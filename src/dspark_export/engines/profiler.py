@@ -35,6 +35,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..exporter.quantize import KEY_CHUNK, aligned
+from ..plugins import cpu_ops
 from .engine_set import EngineSet
 from .packing import Segment, pack_segments
 
@@ -200,7 +201,6 @@ def _check_monotone(rows: list[dict], dim: str) -> list[str]:
     return warnings
 
 
-RAGGED_ATTENTION = "dspark.cpu::RaggedAttention"   #: the manifest plugin of a target whose attention reads live entries
 
 def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int = 2, repeats: int = 6,
                         progress: Callable[[str], None] | None = None, budget_ms: float | None = None) -> dict:
@@ -231,7 +231,7 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
         when true)}.
     """
     graphs, runtime = engines.manifest.data["graphs"], engines.manifest.runtime
-    if RAGGED_ATTENTION in engines.manifest.data.get("plugins", {}):
+    if f"{cpu_ops.DOMAIN}::{cpu_ops.RAGGED_ATTENTION}" in engines.manifest.data.get("plugins", {}):
         # the attention reads each request's live entries only: padding a layout costs nothing, SPS(B) prices it
         return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": [],
                 "live_entries_only": True}

@@ -50,7 +50,7 @@ import onnx
 import torch
 
 from ..errors import ConfigError
-from ..plugins.cpu_ops import DOMAIN as CPU_DOMAIN
+from ..plugins.cpu_ops import DOMAIN as CPU_DOMAIN, RAGGED_ATTENTION, ragged_attention_fits
 from ..plugins.markov_draft import onnx_function as markov_fn
 from ..plugins.markov_draft.schema import D2T_INITIALIZER
 from ..plugins.markov_draft.schema import OUTSIDE_DRAFT_VOCAB as _OUTSIDE_DRAFT_VOCAB
@@ -422,7 +422,7 @@ def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tu
     else `_fused_block_attention`."""
     b.opsets[MS_DOMAIN] = 1
     nh, nkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-    cpu_attention = attention == "cpu" and d % 16 == 0 and d <= 512
+    cpu_attention = attention == "cpu" and ragged_attention_fits(d)
     if cpu_attention:
         b.opsets[CPU_DOMAIN] = 1
         requests = b.op("Squeeze", [b.op("Shape", ["anchor_ids"], "block_starts"), b.const([0])], "block_starts")
@@ -465,7 +465,7 @@ def _fused_block_layers(b: GraphBuilder, sd: dict, c, h: str, pos: str, rope: tu
             k = b.op("RotaryEmbedding", [k, pos, cos, sin], f"{name}/attn/k_rope", domain=MS_DOMAIN)
         if cpu_attention:
             rows = lambda t, heads: b.op("Reshape", [t, b.const([1, -1, heads * d])], f"{name}/attn")  # noqa: E731
-            attn = b.op("RaggedAttention", [rows(q, nh), rows(k, nkv), rows(v, nkv), f"context_key.{i}",
+            attn = b.op(RAGGED_ATTENTION, [rows(q, nh), rows(k, nkv), rows(v, nkv), f"context_key.{i}",
                                             f"context_value.{i}", block_starts, "context_lens"], f"{name}/attn",
                         domain=CPU_DOMAIN, scale=float(d ** -0.5), causal=0)
         else:

@@ -38,7 +38,7 @@ import onnx
 import torch
 
 from ..errors import ConfigError, ExportError
-from ..plugins.cpu_ops import DOMAIN as CPU_DOMAIN
+from ..plugins.cpu_ops import DOMAIN as CPU_DOMAIN, RAGGED_ATTENTION, ragged_attention_fits
 from .builder import (NEG_INF, GraphBuilder, apply_rope, head_norm, linear, rms_norm, rope_cos_sin, rope_tables,
                       save_model, skip_rms_norm, swiglu_mlp, two_part_attention)
 from .quantize import KEY_CHUNK, MS_DOMAIN, WeightFormat, gather_block_quantized, project
@@ -403,7 +403,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
     inv_freq, scaling = _rope(model)
     cos, sin = rope_tables(inv_freq, scaling, spec.max_position_embeddings)
     cos, sin = b.weight("rope.cos_cache", cos), b.weight("rope.sin_cache", sin)
-    attention = "cpu" if attention == "cpu" and d % 16 == 0 and d <= 512 else "onnx"   # the kernel's head dims
+    attention = "cpu" if attention == "cpu" and ragged_attention_fits(d) else "onnx"
     if attention == "cpu":
         b.opsets[CPU_DOMAIN] = 1
     else:
@@ -435,7 +435,7 @@ def _build_fused(b: GraphBuilder, model, spec: TargetGraphSpec, sd: dict, eps: f
         _to_output(b, "Reshape", [k, b.const([-1, nkv, d])], f"new_key.{i}", ["N", nkv, d], f"{name}/new_key")
         _to_output(b, "Reshape", [v, b.const([-1, nkv, d])], f"new_value.{i}", ["N", nkv, d], f"{name}/new_value")
         if attention == "cpu":
-            attn = b.op("RaggedAttention", [q, k, v, f"past_key.{i}", f"past_value.{i}", "query_start", "cache_lens"],
+            attn = b.op(RAGGED_ATTENTION, [q, k, v, f"past_key.{i}", f"past_value.{i}", "query_start", "cache_lens"],
                         f"{name}/attn", domain=CPU_DOMAIN, scale=float(d ** -0.5))   # [1, N, nH·D]
         else:
             attn = _fused_attention(b, spec, q, k, v, i, actx, f"{name}/attn")

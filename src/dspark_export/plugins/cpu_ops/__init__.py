@@ -31,10 +31,11 @@ import onnx
 
 from ...errors import ConfigError, EngineDirError
 
-__all__ = ["DOMAIN", "SOURCES", "library_path", "library", "register", "register_for", "graph_uses_cpu_ops",
+__all__ = ["DOMAIN", "RAGGED_ATTENTION", "ragged_attention_fits", "SOURCES", "library_path", "library", "register", "register_for", "graph_uses_cpu_ops",
            "rewrite_graph_file", "markov_draft_greedy", "ragged_attention"]
 
 DOMAIN = "dspark.cpu"
+RAGGED_ATTENTION = "RaggedAttention"   #: the attention op's name (ragged_attention.cpp)
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("matmul_w4a8.cpp", "markov_draft_greedy.cpp", "ragged_attention.cpp",
                                           "register.cpp"))
@@ -42,6 +43,12 @@ HEADERS = (_HERE / "ort_api.h",)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off"]
 _FALLBACK = ("set CXX, install g++, or build the engines with --int4-kernel matmulnbits --attention-kernel onnx "
              "--markov-draft-kernel onnx")
+
+
+def ragged_attention_fits(head_dim: int) -> bool:
+    """Whether RaggedAttention takes heads of `head_dim` (a multiple of 16 up to 512); exporters keep ONNX ops
+    otherwise."""
+    return head_dim % 16 == 0 and 0 < head_dim <= 512
 
 
 def _cache_dir() -> Path:

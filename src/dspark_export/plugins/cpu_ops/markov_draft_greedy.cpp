@@ -58,24 +58,6 @@ std::shared_ptr<PackedW2> pack_w2(const float* w2, int64_t vd, int64_t r) {
   return p;
 }
 
-// Packed copies are shared by every kernel that sees the same W2 (the engines' per-bucket sessions share one set
-// of initializers), and freed with the last kernel holding them.
-std::mutex g_cache_mutex;
-std::map<std::tuple<const void*, int64_t, int64_t>, std::weak_ptr<PackedW2>> g_cache;
-
-std::shared_ptr<PackedW2> packed_for(const float* w2, int64_t vd, int64_t r) {
-  std::lock_guard<std::mutex> lock(g_cache_mutex);
-  const auto key = std::make_tuple(static_cast<const void*>(w2), vd, r);
-  auto it = g_cache.find(key);
-  if (it != g_cache.end())
-    if (auto p = it->second.lock()) return p;
-  for (auto e = g_cache.begin(); e != g_cache.end();)  // forget weights whose kernels are all gone
-    e = e->second.expired() ? g_cache.erase(e) : std::next(e);
-  auto p = pack_w2(w2, vd, r);
-  g_cache[key] = p;
-  return p;
-}
-
 // One slot: L = u + W2·e over the Vd rows, written to `l`; returns the first index of max L.
 int64_t slot_portable(const PackedW2& w, const float* e, const float* u, float* l) {
   float best_value = -std::numeric_limits<float>::infinity();
@@ -122,8 +104,7 @@ using SlotFn = int64_t (*)(const PackedW2&, const float*, const float*, float*);
 
 bool use_avx512() {
 #ifdef MARKOV_X86
-  const char* force = std::getenv("DSPARK_W4A8_PORTABLE");
-  return !(force && force[0] == '1') && __builtin_cpu_supports("avx512f");
+  return !portable_forced() && __builtin_cpu_supports("avx512f");
 #else
   return false;
 #endif
@@ -167,17 +148,9 @@ void draft_request(void* data, size_t i) {
 }
 
 struct Kernel {
-  explicit Kernel(const OrtKernelInfo* info) : constant(constant_input(info, 3)) {}
-  const bool constant;  // markov_w2 is an initializer: pack once (else every call, as its values may change)
-  std::mutex mutex;
-  std::shared_ptr<PackedW2> packed;
+  explicit Kernel(const OrtKernelInfo* info) : weights(constant_input(info, 3)) {}
+  PackedWeights<PackedW2> weights;  // markov_w2
 };
-
-std::string dims_text(const std::vector<int64_t>& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 Status compute(void* state, OrtKernelContext* ctx) {
   auto* kernel = static_cast<Kernel*>(state);
@@ -222,14 +195,7 @@ Status compute(void* state, OrtKernelContext* ctx) {
   DSPARK_TRY(data_of(ids, p.ids));
   DSPARK_TRY(data_of(logits, p.logits));
   if (rq == 0 || g == 0) return nullptr;
-  std::shared_ptr<PackedW2> packed;
-  if (kernel->constant) {
-    std::lock_guard<std::mutex> lock(kernel->mutex);
-    if (!kernel->packed || kernel->packed->vd != vd || kernel->packed->r != r) kernel->packed = packed_for(w2, vd, r);
-    packed = kernel->packed;
-  } else {
-    packed = pack_w2(w2, vd, r);
-  }
+  const std::shared_ptr<PackedW2> packed = kernel->weights.get({w2, nullptr, vd, r}, [&] { return pack_w2(w2, vd, r); });
   p.v = v, p.g = g, p.w2 = packed.get(), p.slot = g_slot;
   if (rq > 1)
     DSPARK_TRY(parallel_for(ctx, draft_request, static_cast<size_t>(rq), &p));
@@ -242,18 +208,13 @@ Status compute(void* state, OrtKernelContext* ctx) {
   return nullptr;
 }
 
-CustomOp make_markov_op() {
-  CustomOp op = make_op<Kernel, compute>();
-  op.GetName = [](const CustomOp*) { return "MarkovDraftGreedy"; };
-  op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 4) ? kInt64 : kFloat; };
-  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 5; };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i == 4 ? 1 /* optional */ : 0; };
-  op.GetOutputType = [](const CustomOp*, size_t i) { return i == 0 ? kInt64 : kFloat; };
-  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 2; };
-  return op;
-}
+struct Spec {
+  static constexpr const char* kName = "MarkovDraftGreedy";
+  static constexpr int kInputs[] = {kFloat, kInt64, kFloat, kFloat, kInt64}, kOutputs[] = {kInt64, kFloat};
+  static constexpr size_t kRequired = 4;  // d2t is optional
+};
 
-const CustomOp g_op = make_markov_op();
+const CustomOp g_op = make_op<Spec, Kernel, compute>();
 
 }  // namespace
 

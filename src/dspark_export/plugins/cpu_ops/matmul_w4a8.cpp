@@ -85,25 +85,6 @@ std::shared_ptr<Packed> pack(const uint8_t* b, const float* scales, int64_t n, i
   return p;
 }
 
-// Packed copies are shared by every kernel that sees the same weight bytes (the engines' per-bucket sessions
-// share one set of initializers), and freed with the last kernel holding them.
-std::mutex g_cache_mutex;
-std::map<std::pair<const void*, const void*>, std::weak_ptr<Packed>> g_cache;
-
-std::shared_ptr<Packed> packed_for(const uint8_t* b, const float* scales, int64_t n, int64_t k) {
-  std::lock_guard<std::mutex> lock(g_cache_mutex);
-  auto key = std::make_pair(static_cast<const void*>(b), static_cast<const void*>(scales));
-  auto it = g_cache.find(key);
-  if (it != g_cache.end())
-    if (auto p = it->second.lock())
-      if (p->n == n && p->k == k) return p;
-  for (auto e = g_cache.begin(); e != g_cache.end();)   // forget weights whose kernels are all gone
-    e = e->second.expired() ? g_cache.erase(e) : std::next(e);
-  auto p = pack(b, scales, n, k);
-  g_cache[key] = p;
-  return p;
-}
-
 // ---- activations ---------------------------------------------------------------------------------------------
 
 void quantize_rows_portable(const float* x, int64_t m0, int64_t m1, int64_t k, int8_t* xq, float* xs,
@@ -225,8 +206,7 @@ using QuantizeFn = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, fl
 
 bool use_avx512() {
 #ifdef W4A8_X86
-  const char* force = std::getenv("DSPARK_W4A8_PORTABLE");
-  return !(force && force[0] == '1') && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  return !portable_forced() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vnni");
 #else
   return false;
@@ -242,10 +222,8 @@ const QuantizeFn g_quantize = quantize_rows_portable;
 #endif
 
 struct Kernel {
-  explicit Kernel(const OrtKernelInfo* info) : constant(constant_input(info, 1) && constant_input(info, 2)) {}
-  const bool constant;  // B and scales are initializers: pack once (else every call, as their values may change)
-  std::mutex mutex;
-  std::shared_ptr<Packed> packed;
+  explicit Kernel(const OrtKernelInfo* info) : weights(constant_input(info, 1) && constant_input(info, 2)) {}
+  PackedWeights<Packed> weights;  // B and scales
 };
 
 // Work splits into tasks of (tile group × row group); each output element still belongs to one task, computed by
@@ -310,14 +288,7 @@ Status compute(void* state, OrtKernelContext* ctx) {
   DSPARK_TRY(data_of(y, yp));
   if (m == 0) return nullptr;
 
-  std::shared_ptr<Packed> packed;
-  if (kernel->constant) {
-    std::lock_guard<std::mutex> lock(kernel->mutex);
-    if (!kernel->packed || kernel->packed->n != n || kernel->packed->k != k) kernel->packed = packed_for(bp, sp, n, k);
-    packed = kernel->packed;
-  } else {
-    packed = pack(bp, sp, n, k);
-  }
+  const std::shared_ptr<Packed> packed = kernel->weights.get({bp, sp, n, k}, [&] { return pack(bp, sp, n, k); });
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs;
   thread_local std::vector<int32_t> xsum;
@@ -337,17 +308,13 @@ Status compute(void* state, OrtKernelContext* ctx) {
   return parallel_for(ctx, run_tiles, static_cast<size_t>(groups * row_groups), &job);
 }
 
-CustomOp make_matmul_op() {
-  CustomOp op = make_op<Kernel, compute>();
-  op.GetName = [](const CustomOp*) { return "MatMulW4A8"; };
-  op.GetInputType = [](const CustomOp*, size_t i) { return i == 1 ? kUint8 : kFloat; };
-  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 3; };
-  op.GetOutputType = [](const CustomOp*, size_t) { return kFloat; };
-  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
-  return op;
-}
+struct Spec {
+  static constexpr const char* kName = "MatMulW4A8";
+  static constexpr int kInputs[] = {kFloat, kUint8, kFloat}, kOutputs[] = {kFloat};
+  static constexpr size_t kRequired = 3;
+};
 
-const CustomOp g_op = make_matmul_op();
+const CustomOp g_op = make_op<Spec, Kernel, compute>();
 
 }  // namespace
 

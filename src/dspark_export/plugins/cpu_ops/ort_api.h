@@ -9,7 +9,13 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 struct OrtStatus;
@@ -126,6 +132,59 @@ inline bool constant_input(const OrtKernelInfo* info, size_t index) {
   return is_constant != 0;
 }
 
+// ---- what the kernels share ------------------------------------------------------------------------------------
+
+// DSPARK_W4A8_PORTABLE=1 makes every kernel take its portable path (same bits, for tests).
+inline bool portable_forced() {
+  const char* force = std::getenv("DSPARK_W4A8_PORTABLE");
+  return force && force[0] == '1';
+}
+
+inline std::string dims_text(const std::vector<int64_t>& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// A kernel's packed copy of its weight inputs. Initializers (`constant`) are packed once and the copy is shared by
+// every kernel that sees the same bytes (the engines' per-bucket sessions share one set of initializers), freed
+// with the last kernel holding it; inputs fed at run time may change between calls, so they are packed per call.
+template <class T>
+class PackedWeights {
+ public:
+  using Key = std::tuple<const void*, const void*, int64_t, int64_t>;  // two weight pointers, two dims
+  explicit PackedWeights(bool constant) : constant_(constant) {}
+
+  template <class Make>
+  std::shared_ptr<T> get(const Key& key, Make make) {
+    if (!constant_) return make();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!packed_ || key_ != key) key_ = key, packed_ = shared(key, make);
+    return packed_;
+  }
+
+ private:
+  template <class Make>
+  static std::shared_ptr<T> shared(const Key& key, Make make) {
+    static std::mutex mutex;
+    static std::map<Key, std::weak_ptr<T>> cache;
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end())
+      if (auto p = it->second.lock()) return p;
+    for (auto e = cache.begin(); e != cache.end();)  // forget weights whose kernels are all gone
+      e = e->second.expired() ? cache.erase(e) : std::next(e);
+    auto p = make();
+    cache[key] = p;
+    return p;
+  }
+
+  const bool constant_;
+  std::mutex mutex_;
+  Key key_{};
+  std::shared_ptr<T> packed_;
+};
+
 using ParallelFor = Status (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
 
 inline Status parallel_for(OrtKernelContext* ctx, void (*fn)(void*, size_t), size_t tasks, void* data) {
@@ -163,13 +222,18 @@ struct CustomOp {
   void (*ReleaseAliasMap)(int*, int*);
 };
 
-// An op of the CPU provider, version 1 onward, every input and output required unless the op sets
-// GetInputCharacteristic. `Kernel` holds the op's per-node state (made from the node's OrtKernelInfo);
-// `compute` runs it.
-template <typename Kernel, Status (*compute)(void*, OrtKernelContext*)>
+// An op of the CPU provider, version 1 onward. `Spec` names it and types its inputs and outputs (kName,
+// kInputs[], kOutputs[] element types; inputs from kRequired on are optional); `Kernel` holds the op's per-node
+// state (made from the node's OrtKernelInfo); `compute` runs it.
+template <typename Spec, typename Kernel, Status (*compute)(void*, OrtKernelContext*)>
 CustomOp make_op() {
   CustomOp op{};
   op.version = kApiVersion;
+  op.GetName = [](const CustomOp*) { return Spec::kName; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return Spec::kInputs[i]; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return std::size(Spec::kInputs); };
+  op.GetOutputType = [](const CustomOp*, size_t i) { return Spec::kOutputs[i]; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return std::size(Spec::kOutputs); };
   op.CreateKernel = [](const CustomOp*, const void*, const OrtKernelInfo* info) -> void* { return new Kernel(info); };
   op.GetExecutionProviderType = [](const CustomOp*) -> const char* { return "CPUExecutionProvider"; };
   // ONNX Runtime calls KernelComputeV2 (it reports errors) when version >= 16; this V1 entry only fills the slot
@@ -177,7 +241,7 @@ CustomOp make_op() {
     if (Status st = compute(k, ctx)) api<void (*)(Status)>(kReleaseStatus)(st);
   };
   op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i < Spec::kRequired ? 0 : 1 /* optional */; };
   op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };
   op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };
   op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };

@@ -246,8 +246,7 @@ using AttendFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t, st
 
 AttendFn pick() {
 #ifdef ATTENTION_X86
-  const char* force = std::getenv("DSPARK_W4A8_PORTABLE");
-  if (!(force && force[0] == '1') && __builtin_cpu_supports("avx512f")) return attend<Avx512>;
+  if (!portable_forced() && __builtin_cpu_supports("avx512f")) return attend<Avx512>;
 #endif
   return attend<Portable>;
 }
@@ -266,7 +265,7 @@ struct Task {
 struct Job {
   const Problem* p;
   AttendFn attend;
-  std::vector<Task> tasks;
+  std::vector<Task>& tasks;
 };
 
 void run_task(void* data, size_t i) {
@@ -289,12 +288,6 @@ struct Kernel {
   float scale = NAN;
   bool causal = true;
 };
-
-std::string dims_text(const std::vector<int64_t>& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 // Checks the shapes and the ragged layout; `heads` gets nH.
 Status check(const std::vector<int64_t> (&d)[7], const int64_t* qs, const int64_t* lens, int64_t& heads) {
@@ -353,28 +346,26 @@ Status compute(void* state, OrtKernelContext* ctx) {
   DSPARK_TRY(data_of(out, p.out));
   p.num_heads = heads, p.kv_heads = d[3][1], p.head_dim = d[3][3], p.capacity = d[3][2], p.scale = scale;
   p.causal = kernel.causal;
-  Job job{&p, g_attend, {}};
+  thread_local std::vector<Task> tasks;   // reused: this runs once a layer every pass
+  tasks.clear();
+  Job job{&p, g_attend, tasks};
   const int64_t group = heads / p.kv_heads;
   const int64_t width = d[0][1] * p.kv_heads >= kMinTasks ? group : 1;   // query rows (heads of a row) per task
   for (int64_t r = 0; r < d[3][0]; ++r)
     for (int64_t g = 0; g < p.kv_heads; ++g)
       for (int64_t a = 0; a < (p.query_start[r + 1] - p.query_start[r]) * group; a += width)
-        job.tasks.push_back({r, g, a, a + width});
-  if (job.tasks.empty()) return nullptr;
-  return parallel_for(ctx, run_task, job.tasks.size(), &job);
+        tasks.push_back({r, g, a, a + width});
+  if (tasks.empty()) return nullptr;
+  return parallel_for(ctx, run_task, tasks.size(), &job);
 }
 
-CustomOp make_attention_op() {
-  CustomOp op = make_op<Kernel, compute>();
-  op.GetName = [](const CustomOp*) { return "RaggedAttention"; };
-  op.GetInputType = [](const CustomOp*, size_t i) { return i < 5 ? kFloat : kInt64; };
-  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 7; };
-  op.GetOutputType = [](const CustomOp*, size_t) { return kFloat; };
-  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
-  return op;
-}
+struct Spec {
+  static constexpr const char* kName = "RaggedAttention";
+  static constexpr int kInputs[] = {kFloat, kFloat, kFloat, kFloat, kFloat, kInt64, kInt64}, kOutputs[] = {kFloat};
+  static constexpr size_t kRequired = 7;
+};
 
-const CustomOp g_op = make_attention_op();
+const CustomOp g_op = make_op<Spec, Kernel, compute>();
 
 }  // namespace
 
