@@ -143,6 +143,12 @@ void tiles_portable(const Problem& p, int64_t t0, int64_t t1, int64_t r0, int64_
 }
 
 #ifdef W4A8_X86
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 // the same per-block steps as quantize_rows_portable: max|x| (exact in any order), 127/max, x·(127/max) rounded
 // to nearest even (MXCSR's default, as nearbyint), the scale max/127
 __attribute__((target("avx512f,avx512bw"))) void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1,
@@ -165,37 +171,52 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_rows_avx512(const floa
     }
 }
 
+// R rows (1..kRows) of one 16-column tile: R is a template argument so the accumulators live in registers
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_rows_avx512vnni(
+    const Problem& p, const uint8_t* wt, const float* st, int64_t nb, int64_t m0, int64_t col) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    __m512i w[8];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(static_cast<const void*>(wt + blk * kTileBlockBytes + 64 * j));
+      w[j] = _mm512_and_si512(v, low);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 sw = _mm512_loadu_ps(st + blk * kTile);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xb = p.xq + m * p.k + blk * kBlock;
+      // the sum starts at the zero-point term −8·Σq_x (exact in int32, so the order does not matter) and each
+      // 4-byte group of activations is broadcast straight from memory
+      __m512i sum = _mm512_set1_epi32(-8 * p.xsum[m * nb + blk]);
+      for (int j = 0; j < 8; ++j) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(load_i32(xb + 4 * j)));
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p.xs[m * nb + blk]), sw);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.y + (m0 + r) * p.n + col, acc[r]);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512vnni(const Problem& p, int64_t t0,
                                                                               int64_t t1, int64_t r0, int64_t r1) {
   const int64_t nb = p.k / kBlock;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = p.w->w.data() + t * nb * kTileBlockBytes;
     const float* st = p.w->s.data() + t * nb * kTile;
     for (int64_t m0 = r0; m0 < r1; m0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, r1 - m0);
-      __m512 acc[kRows];
-      for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t blk = 0; blk < nb; ++blk) {
-        __m512i w[8];
-        for (int j = 0; j < 4; ++j) {
-          const __m512i v = _mm512_loadu_si512(static_cast<const void*>(wt + blk * kTileBlockBytes + 64 * j));
-          w[j] = _mm512_and_si512(v, low);
-          w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
-        const __m512 sw = _mm512_loadu_ps(st + blk * kTile);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t m = m0 + r;
-          int32_t xb[8];
-          std::memcpy(xb, p.xq + m * p.k + blk * kBlock, sizeof(xb));
-          __m512i sum = _mm512_setzero_si512();
-          for (int j = 0; j < 8; ++j) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(xb[j]));
-          sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * p.xsum[m * nb + blk]));
-          const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p.xs[m * nb + blk]), sw);
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
-        }
+      switch (std::min<int64_t>(kRows, r1 - m0)) {
+        case 1: tile_rows_avx512vnni<1>(p, wt, st, nb, m0, t * kTile); break;
+        case 2: tile_rows_avx512vnni<2>(p, wt, st, nb, m0, t * kTile); break;
+        case 3: tile_rows_avx512vnni<3>(p, wt, st, nb, m0, t * kTile); break;
+        case 4: tile_rows_avx512vnni<4>(p, wt, st, nb, m0, t * kTile); break;
+        case 5: tile_rows_avx512vnni<5>(p, wt, st, nb, m0, t * kTile); break;
+        case 6: tile_rows_avx512vnni<6>(p, wt, st, nb, m0, t * kTile); break;
+        case 7: tile_rows_avx512vnni<7>(p, wt, st, nb, m0, t * kTile); break;
+        default: tile_rows_avx512vnni<kRows>(p, wt, st, nb, m0, t * kTile); break;
       }
-      for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(p.y + (m0 + r) * p.n + t * kTile, acc[r]);
     }
   }
 }
