@@ -2,11 +2,13 @@
 """Interleaved A/B of ONNX Runtime thread settings in the speculative loop (single user, one prompt).
 
 Variants (each run in a fresh process, round after round, so a change in machine load falls on all alike):
-  base  the runtime's settings (`engines/ort/runner.py: thread_settings`: only the target pool spins)
+  base  the Python API's settings (per-session pools, `engines/ort/runner.py: thread_settings`: only the target
+        pool spins)
   stop  also `session.force_spinning_stop` = 1: every pool stops spinning as soon as its Run returns
   b1    the drafter block on the calling thread (one intra-op thread), like drafter_context and verify
-  global  one process-wide intra-op pool of `--threads` (spinning) for every session: the drafter block and
-        verify run on the target's threads, so no idle pool spins against the busy one
+  global  one process-wide intra-op pool of `--threads` (spinning) for every session, as the `dspark-export`
+        command runs (`runner.use_shared_thread_pool`): no idle pool spins against the busy one, and the drafter
+        block wakes no sleeping worker
 
 Each process opens the engine directory with the policy, warms up, generates `--max-new-tokens` three times
 and reports the median wall time, plus the median ms per call of each graph (from the third generation back,
@@ -41,14 +43,10 @@ def child(variant: str, policy: str, engine_dir: str, max_new_tokens: int, threa
         so = settings(overrides, threads, graph, prepack)
         if variant == "stop":
             so.add_session_config_entry("session.force_spinning_stop", "1")
-        if variant == "global":
-            so.use_per_session_threads = False
         return so
 
     if variant == "global":
-        from onnxruntime.capi import _pybind_state
-
-        _pybind_state.set_global_thread_pool_sizes(threads, 1)
+        ort_runner.use_shared_thread_pool(threads)
 
     ort_runner.session_options = patched
     if variant == "b1":

@@ -411,13 +411,25 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM (timeout, kill, docker stop) cleans up like Ctrl-C
 
 
-def main(argv: list[str] | None = None) -> int:
+#: commands that run engines, for which the `dspark-export` command shares one ORT thread pool
+_ENGINE_COMMANDS = ("build", "generate", "profile", "bench", "serve", "trt")
+
+
+def main(argv: list[str] | None = None, shared_thread_pool: bool = False) -> int:
     """Exit codes: 0 success; 1 some prompts failed (each reported) or, for `inspect --trt-compat`, a graph
     would not parse in TensorRT; 2 an error (one line on stderr;
-    the trace with --verbose); 130 interrupted."""
+    the trace with --verbose); 130 interrupted.
+
+    `shared_thread_pool`: run the command's ONNX Runtime sessions on one process-wide pool of its --threads
+    (`engines.ort.runner.use_shared_thread_pool`). The `dspark-export` command (`console_main`) owns its process
+    and turns it on; an in-process caller leaves it off, since ORT then refuses any session of the process that
+    keeps threads of its own."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if shared_thread_pool and args.command in _ENGINE_COMMANDS:
+        from .engines.ort.runner import use_shared_thread_pool
+        use_shared_thread_pool(getattr(args, "threads", 0) or 0)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile, "bench": cmd_bench,
@@ -441,5 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def console_main() -> int:
+    """The `dspark-export` command: `main` on the process's shared ORT thread pool."""
+    return main(shared_thread_pool=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -186,6 +186,8 @@ class EngineFeatures:
     def __init__(self, engine_dir: str | Path, threads: int = 0, specialise: bool = True):
         import onnxruntime as ort
 
+        from .ort.runner import base_session_options
+
         manifest = Manifest.load(Path(engine_dir), verify=False)
         spec = manifest.data["graphs"]["target"]["spec"]
         self.target_layer_ids = [int(i) for i in spec["tap_layer_ids"]]
@@ -203,9 +205,7 @@ class EngineFeatures:
         self.name = f"engine:{self.weights}:{digest[:16]}"
         model, self._last = _feature_graph(manifest.graph_path("target"))
         self.specialised_layers = _empty_cache_prefill(model.graph) if specialise else 0
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.intra_op_num_threads = int(threads)
+        so = base_session_options(threads)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         cpu_ops.register_for(so, model)
         self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

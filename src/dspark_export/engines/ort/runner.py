@@ -42,7 +42,7 @@ from ..manifest import EngineKey
 log = logging.getLogger(__name__)
 
 __all__ = ["WeightStore", "OrtRunner", "SharedSession", "engine_spec", "session_options", "PACKED_GRAPHS",
-           "uses_shared_session"]
+           "uses_shared_session", "use_shared_thread_pool", "shared_thread_pool", "base_session_options"]
 
 _NP = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
 
@@ -126,15 +126,63 @@ def uses_shared_session(key: EngineKey, prepack: bool = True) -> bool:
     return prepack and threshold is not None and key.bucket >= threshold
 
 
+#: intra-op threads of this process's shared ORT pool (`use_shared_thread_pool`); None: every session has its own
+_shared_pool_threads: int | None = None
+
+
+def use_shared_thread_pool(threads: int = 0) -> bool:
+    """Run every ONNX Runtime session this process creates from now on on ONE intra-op pool of `threads` threads
+    (0: ONNX Runtime's choice, the physical cores): ORT's global thread pool. Returns True once it is in use.
+
+    Why: a step alternates engines (drafter block, target, drafter context), each with its own pool when
+    sessions keep their own. Only the target's may spin (`thread_settings`), so every parallel section of the
+    drafter block wakes a sleeping worker; on one shared spinning pool nothing is woken and nothing spins against
+    anything else (reports/runtime_split/s34/).
+
+    It is a process-wide choice: from then on ORT refuses any new session of the process that keeps threads of its
+    own (sessions created before keep theirs), which is why the `dspark-export` command turns it on and the Python
+    API leaves it to the embedding application. If the process already has a global pool (another caller made it),
+    that one is used, with its size; a second call changes nothing.
+    """
+    global _shared_pool_threads
+    if _shared_pool_threads is None:
+        try:
+            ort.set_global_thread_pool_sizes(int(threads), 1)
+        except Exception as e:   # ORT's Fail: the process's global pools exist already, made by another caller
+            if "already been created" not in str(e):
+                raise
+            log.info("ONNX Runtime's global thread pool already exists; using it")
+        _shared_pool_threads = int(threads)
+    return True
+
+
+def shared_thread_pool() -> int | None:
+    """The shared pool's threads as requested (0: ORT's choice), or None when sessions keep their own pools."""
+    return _shared_pool_threads
+
+
+def base_session_options(threads: int = 0) -> ort.SessionOptions:
+    """SessionOptions for any other ORT session of ours: on the shared pool when the process has one (ORT refuses
+    a session with threads of its own then), else with `threads` intra-op threads (0: ORT's choice)."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if _shared_pool_threads is not None:
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = int(threads)
+    return so
+
+
 def thread_settings(graph: str, threads: int = 0) -> dict:
     """Intra-op threading per graph: {"intra_op_num_threads": n, "allow_spinning": bool}.
 
     Why: every ORT session owns an intra-op pool whose threads spin after each run. With ~28 bucket
     sessions alternating (drafter, target, verify) on 2 cores, idle pools spun against the busy one.
     So only the target keeps spinning threads (it dominates the step); the drafter block's pool does not
-    spin; drafter_context and verify run on the calling thread. That is as fast as one process-wide pool
-    (reports/measurement_history.md, "ORT thread pools"), which we avoid because it forbids per-session
-    pools for every other ORT user in the process.
+    spin; drafter_context and verify run on the calling thread (reports/measurement_history.md, "ORT thread
+    pools"). These settings apply while sessions keep their own pools, the Python API's default; the
+    `dspark-export` command runs every session on one process-wide pool instead (`use_shared_thread_pool`),
+    which spares the drafter block its wake-ups.
     """
     if graph in SINGLE_THREAD_GRAPHS:
         return {"intra_op_num_threads": 1, "allow_spinning": False}
@@ -143,12 +191,12 @@ def thread_settings(graph: str, threads: int = 0) -> dict:
 
 def session_options(overrides: Mapping[str, int], threads: int = 0, graph: str = "target",
                     prepack: bool = False) -> ort.SessionOptions:
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    settings = thread_settings(graph, threads)
-    so.intra_op_num_threads = settings["intra_op_num_threads"]
-    if not settings["allow_spinning"]:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so = base_session_options()
+    if _shared_pool_threads is None:   # else the process's shared pool (`use_shared_thread_pool`)
+        settings = thread_settings(graph, threads)
+        so.intra_op_num_threads = settings["intra_op_num_threads"]
+        if not settings["allow_spinning"]:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
     for dim, value in overrides.items():

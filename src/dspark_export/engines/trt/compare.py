@@ -42,6 +42,7 @@ def reference_session(graph_path: Path, name: str) -> Callable:
     import onnxruntime as ort
 
     from ...plugins import cpu_ops
+    from ..ort.runner import base_session_options
     from .lowering import lower_int8_heads
 
     header = onnx.load(str(graph_path), load_external_data=False)
@@ -52,7 +53,7 @@ def reference_session(graph_path: Path, name: str) -> Callable:
         source, level = model.SerializeToString(), ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 
     def load() -> ort.InferenceSession:
-        so = ort.SessionOptions()
+        so = base_session_options()
         so.graph_optimization_level = level
         cpu_ops.register_for(so, header)
         return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
