@@ -69,8 +69,10 @@ def deployment(config: ServeConfig, replicas: int, replica_cpus: float = 1.0):
                       graceful_shutdown_timeout_s=30)
     class DsparkEngine:
         async def __init__(self, cfg: ServeConfig):
+            from dspark_export.engines.ort.runner import use_shared_thread_pool
             from dspark_export.serve.app import create_app
 
+            use_shared_thread_pool(cfg.threads)     # the replica's actor process is its alone, as the command's is
             self.app = create_app(cfg)
             await self.app.state.dspark.start()      # loads the engines, names the replica
 
