@@ -202,6 +202,8 @@ Status Runtime::Open(const RuntimeOptions& options, std::unique_ptr<Runtime>* ou
   {
     py::gil_scoped_acquire gil;
     try {
+      if (options.shared_thread_pool)
+        py::module_::import("dspark_export.engines.ort.runner").attr("use_shared_thread_pool")(options.threads);
       py::module_ mod = py::module_::import("dspark_export.runtime.service");
       impl->service = mod.attr("Service").attr("open")(options.engine_dir, options.policy,
                                                          py::arg("verify") = options.verify_hashes,

@@ -95,3 +95,15 @@ def test_the_command_runs_on_the_shared_pool(tiny_engine_dir):
                           "after": runner.shared_thread_pool()}}))
     """)
     assert out == {"rc": 0, "rc_in_process": 0, "before": None, "after": 0}
+
+
+@pytest.mark.parametrize("threads", [-1, 10**6, 1.5, True])
+def test_bad_thread_counts_are_refused_before_anything_changes(threads):
+    """A thread count outside 0..4 × cores is named and refused, and the process keeps per-session pools (this
+    runs in the test process itself: nothing reaches ORT)."""
+    from dspark_export.engines.ort import runner
+    from dspark_export.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="threads: expected 0"):
+        runner.use_shared_thread_pool(threads)
+    assert runner.shared_thread_pool() is None

@@ -102,6 +102,11 @@ struct RuntimeOptions {
   std::string policy = "dspark-async";   // the default verification policy (runtime.DEFAULT_POLICY)
   bool verify_hashes = true;       // check every file's sha256 at open (about 1 s per GB)
   int threads = 0;                 // ONNX Runtime intra-op threads for the target (0 = its default)
+  // Run every engine on one process-wide ONNX Runtime pool of `threads` (what the dspark-export command does:
+  // the drafter block then wakes no sleeping worker). It covers the ORT sessions the embedded Python makes
+  // (ours), not ORT used through its C/C++ API; from then on that Python refuses ORT sessions with threads of
+  // their own. false keeps a pool per session (the Python API's default).
+  bool shared_thread_pool = true;
   // The Python whose environment provides dspark_export (a venv's bin/python works); "" = the Python the
   // library was built against. Only used when this call starts the interpreter.
   std::string python_executable;

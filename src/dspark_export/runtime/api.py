@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 from . import DEFAULT_POLICY
 from ..engines.engine_set import EngineSet
-from ..errors import ConfigError, EngineDirError, RequestError
+from ..engines.ort.runner import check_threads
+from ..errors import EngineDirError, RequestError
 from .generator import Generator
 from .policies import Policy, parse_policy
 from .request import GenerationResult, SamplingParams
@@ -51,10 +51,7 @@ class Runtime:
             EngineDirError: missing/altered files, bad manifest, unreadable graphs or tokenizer.
             RequestError: unknown policy.
         """
-        limit = 4 * (os.cpu_count() or 1)
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= limit:
-            raise ConfigError(f"threads: expected 0 (ONNX Runtime's choice) or 1..{limit} (4 × this machine's "
-                              f"{os.cpu_count()} cores), found {threads!r}")
+        check_threads(threads)
         pol = policy if isinstance(policy, Policy) else parse_policy(policy)
         engines = EngineSet.open(Path(engine_dir), verify=verify, threads=threads, backend=backend,
                                  prepack=prepack).activate_all()

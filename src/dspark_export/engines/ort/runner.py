@@ -25,6 +25,7 @@ Prepacking (MLAS packs each constant MatMul weight into its GEMM layout once, at
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Mapping
@@ -34,7 +35,7 @@ import onnx
 import onnxruntime as ort
 from onnx.external_data_helper import uses_external_data
 
-from ...errors import EngineDirError
+from ...errors import ConfigError, EngineDirError
 from ...plugins import cpu_ops
 from ..runner import EngineRunner
 from ..manifest import EngineKey
@@ -42,7 +43,8 @@ from ..manifest import EngineKey
 log = logging.getLogger(__name__)
 
 __all__ = ["WeightStore", "OrtRunner", "SharedSession", "engine_spec", "session_options", "PACKED_GRAPHS",
-           "uses_shared_session", "use_shared_thread_pool", "shared_thread_pool", "base_session_options"]
+           "uses_shared_session", "use_shared_thread_pool", "shared_thread_pool", "base_session_options",
+           "check_threads"]
 
 _NP = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
 
@@ -146,6 +148,7 @@ def use_shared_thread_pool(threads: int = 0) -> bool:
     """
     global _shared_pool_threads
     if _shared_pool_threads is None:
+        check_threads(threads)
         try:
             ort.set_global_thread_pool_sizes(int(threads), 1)
         except Exception as e:   # ORT's Fail: the process's global pools exist already, made by another caller
@@ -154,6 +157,14 @@ def use_shared_thread_pool(threads: int = 0) -> bool:
             log.info("ONNX Runtime's global thread pool already exists; using it")
         _shared_pool_threads = int(threads)
     return True
+
+
+def check_threads(threads) -> None:
+    """Raise ConfigError unless `threads` is 0 (ONNX Runtime's choice) or 1..4 × this machine's cores."""
+    limit = 4 * (os.cpu_count() or 1)
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 0 <= threads <= limit:
+        raise ConfigError(f"threads: expected 0 (ONNX Runtime's choice) or 1..{limit} (4 × this machine's "
+                          f"{os.cpu_count()} cores), found {threads!r}")
 
 
 def shared_thread_pool() -> int | None:
