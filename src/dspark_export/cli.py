@@ -427,11 +427,11 @@ def main(argv: list[str] | None = None, shared_thread_pool: bool = False) -> int
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if shared_thread_pool and args.command in _ENGINE_COMMANDS:
-        from .engines.ort.runner import use_shared_thread_pool
-        use_shared_thread_pool(getattr(args, "threads", 0) or 0)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        if shared_thread_pool and args.command in _ENGINE_COMMANDS:
+            from .engines.ort.runner import use_shared_thread_pool
+            use_shared_thread_pool(getattr(args, "threads", 0) or 0)
         return {"build": cmd_build, "generate": cmd_generate, "profile": cmd_profile, "bench": cmd_bench,
                 "inspect": cmd_inspect, "report": cmd_report,
                 "export-profile": cmd_export_profile, "trt": cmd_trt, "serve": cmd_serve}[args.command](args)

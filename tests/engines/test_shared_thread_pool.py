@@ -107,3 +107,14 @@ def test_bad_thread_counts_are_refused_before_anything_changes(threads):
     with pytest.raises(ConfigError, match="threads: expected 0"):
         runner.use_shared_thread_pool(threads)
     assert runner.shared_thread_pool() is None
+
+
+def test_the_command_names_a_bad_thread_count_in_one_line(tiny_engine_dir):
+    """`dspark-export bench serve --threads -1`: one line naming threads, exit 2, and no pool (from a breaking
+    pass: the pool was turned on outside main's error handling, so this was a traceback and exit 1)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from dspark_export import cli; sys.exit(cli.console_main())",
+                           "bench", "serve", "--engine-dir", str(tiny_engine_dir), "--threads", "-1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "threads: expected 0" in lines[0] and lines[0].startswith("dspark-export bench:")

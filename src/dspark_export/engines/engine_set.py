@@ -106,7 +106,11 @@ class EngineSet:
         if self.backend == "onnxruntime":
             import onnxruntime as ort
 
-            info.update(onnxruntime=ort.__version__, providers=["CPUExecutionProvider"])
+            from .ort.runner import shared_thread_pool
+
+            pool = shared_thread_pool()   # how the sessions were threaded: the drafter block's time depends on it
+            info.update(onnxruntime=ort.__version__, providers=["CPUExecutionProvider"],
+                        thread_pool="per-session" if pool is None else f"shared ({pool or 'ORT default'} threads)")
         else:
             import tensorrt as trt
 

@@ -143,8 +143,12 @@ def use_shared_thread_pool(threads: int = 0) -> bool:
 
     It is a process-wide choice: from then on ORT refuses any new session of the process that keeps threads of its
     own (sessions created before keep theirs), which is why the `dspark-export` command turns it on and the Python
-    API leaves it to the embedding application. If the process already has a global pool (another caller made it),
-    that one is used, with its size; a second call changes nothing.
+    API leaves it to the embedding application. A second call changes nothing. If another caller of the process
+    set ORT's global pool sizes first, ORT keeps theirs, and it does not always say so (1.32 raises only
+    sometimes): `shared_thread_pool` then reports the size asked for, not the pool's.
+
+    Raises:
+        ConfigError: `threads` outside 0..4 × this machine's cores (nothing changed).
     """
     global _shared_pool_threads
     if _shared_pool_threads is None:
