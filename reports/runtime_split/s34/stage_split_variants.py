@@ -15,7 +15,7 @@ elif mode == 'nospin':
     orig = R.thread_settings
     R.thread_settings = lambda g, t=0: {**orig(g, t), "allow_spinning": False}
 elif mode == 'shared':
-    assert R.use_shared_thread_pool(2)
+    R.use_shared_thread_pool(2)
 elif mode.startswith('stop'):
     origso = R.session_options
     def so_(overrides, threads=0, graph="target", prepack=False):

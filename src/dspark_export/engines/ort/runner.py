@@ -132,9 +132,9 @@ def uses_shared_session(key: EngineKey, prepack: bool = True) -> bool:
 _shared_pool_threads: int | None = None
 
 
-def use_shared_thread_pool(threads: int = 0) -> bool:
+def use_shared_thread_pool(threads: int = 0) -> None:
     """Run every ONNX Runtime session this process creates from now on on ONE intra-op pool of `threads` threads
-    (0: ONNX Runtime's choice, the physical cores): ORT's global thread pool. Returns True once it is in use.
+    (0: ONNX Runtime's choice, the physical cores): ORT's global thread pool (`shared_thread_pool` says whether).
 
     Why: a step alternates engines (drafter block, target, drafter context), each with its own pool when
     sessions keep their own. Only the target's may spin (`thread_settings`), so every parallel section of the
@@ -160,7 +160,6 @@ def use_shared_thread_pool(threads: int = 0) -> bool:
                 raise
             log.info("ONNX Runtime's global thread pool already exists; using it")
         _shared_pool_threads = int(threads)
-    return True
 
 
 def check_threads(threads) -> None:
