@@ -50,6 +50,8 @@ def test_help_has_examples(argv, capsys):
     (["build", "--out", "{tmp}/file.txt"], "not a directory"),
     (["generate", "--engine-dir", "{tmp}", "--prompts-file", "{tmp}/missing.jsonl"], "prompts file not found"),
     (["generate", "--engine-dir", "{tmp}/none", "--chat", "--prompt", ""], "--prompt: expected text, found an empty"),
+    (["generate", "--engine-dir", "{tmp}", "--prompt", "x", "--threads", "-1"], "threads: expected 0"),
+    (["profile", "--engine-dir", "{tmp}", "--threads", "100000"], "threads: expected 0"),
 ])
 def test_failures_are_one_line_with_exit_2(argv, needle, tmp_path, capsys):
     (tmp_path / "file.txt").write_text("x")

@@ -151,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"ar | fixed:K | threshold:C | dspark | dspark-async (default {DEFAULT_POLICY})")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, in input order")
+    g.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = its choice: the "
+                   "physical cores)")
     g.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
     g.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
                    help="engines to run: onnxruntime (default) or tensorrt (added by `dspark-export trt build`)")
@@ -179,6 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--engine-dir", required=True, type=Path, help="an engine directory made by `build`")
     pr.add_argument("--context", type=int, default=128, help="past length in tokens (128)")
     pr.add_argument("--repeats", type=int, default=10, help="timed runs per bucket (10)")
+    pr.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = its choice: the "
+                    "physical cores); profile with the threads the engines will run with")
 
     rp = sub.add_parser("report", help="HTML report of an engine directory (engines, SPS(B), calibration, benchmarks)",
                         epilog=REPORT_EXAMPLES, formatter_class=fmt)
@@ -282,7 +286,8 @@ def cmd_generate(args) -> int:
         raise RequestError("--prompt: expected text, found an empty string")
     items = [(args.prompt, None)] if args.prompt is not None else read_prompts(args.prompts_file)
     _progress(f"loading {args.engine_dir}")
-    rt = Runtime.open(args.engine_dir, policy=policy, verify=not args.no_verify, backend=args.backend)
+    rt = Runtime.open(args.engine_dir, policy=policy, verify=not args.no_verify, backend=args.backend,
+                      threads=args.threads)
     if not rt.engines.manifest.runtime.get("drafter_trained", False) and rt.policy.drafts:
         _progress("note: this engine directory's drafter is untrained: drafts are rarely accepted")
     _progress(f"generating {len(items)} prompt(s) with policy {rt.policy}")
@@ -333,7 +338,7 @@ def cmd_serve(args) -> int:
 def cmd_profile(args) -> int:
     from .pipeline import reprofile
 
-    sps = reprofile(args.engine_dir, args.context, args.repeats, progress=_progress)
+    sps = reprofile(args.engine_dir, args.context, args.repeats, progress=_progress, threads=args.threads)
     print(json.dumps({"context_len": sps["context_len"], "sps": {row["B"]: row["sps"] for row in sps["target"]},
                       "layout_cost": _layout_cost(sps), "warnings": sps["warnings"]}))
     return 0

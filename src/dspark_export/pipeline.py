@@ -25,7 +25,7 @@ import psutil
 from . import __version__
 from .engines.engine_set import EngineSet
 from .engines.manifest import SCHEMA_VERSION, EngineKey, Manifest, write_json_atomic
-from .engines.ort.runner import engine_spec
+from .engines.ort.runner import check_threads, engine_spec
 from .engines.profiler import measure_profile
 from .engines.sps import SPS_PATH, encode_sps, write_sps
 from .errors import BuildError, ConfigError, ProfileError
@@ -516,20 +516,24 @@ def _all_files(root: Path) -> list[str]:
             if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")]
 
 
-def reprofile(engine_dir: Path, context_len: int, repeats: int, progress: Progress | None = None) -> dict:
-    """Re-measure profile/sps.json of an existing engine directory and re-seal its manifest.
+def reprofile(engine_dir: Path, context_len: int, repeats: int, progress: Progress | None = None,
+              threads: int = 0) -> dict:
+    """Re-measure profile/sps.json of an existing engine directory and re-seal its manifest; `threads`: ONNX
+    Runtime intra-op threads of the engines (0: its choice).
 
     Raises:
+        ConfigError: `threads` outside 0..4 × this machine's cores.
         EngineDirError: the directory is incomplete or altered (checked before anything is written).
         ProfileError: a context or repeat count the engines cannot serve.
     """
+    check_threads(threads)
     manifest = Manifest.load(Path(engine_dir), verify=True)
     max_context, block = manifest.runtime["max_context"], manifest.runtime["block_size"]
     if repeats < 1 or not 1 <= context_len <= max_context - block - 1:
         raise ProfileError(f"profile: expected --repeats >= 1 and --context in [1, {max_context - block - 1}] "
                            f"(this engine directory's max_context {max_context} minus one verification), "
                            f"found repeats {repeats}, context {context_len}")
-    engines = EngineSet(manifest)
+    engines = EngineSet(manifest, threads=threads)
     profile = measure_profile(engines, context_len, repeats=repeats, progress=progress)
     del engines
     manifest.data["profile"] = {"path": SPS_PATH, "context_len": context_len,

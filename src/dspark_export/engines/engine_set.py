@@ -110,7 +110,8 @@ class EngineSet:
 
             pool = shared_thread_pool()   # how the sessions were threaded: the drafter block's time depends on it
             info.update(onnxruntime=ort.__version__, providers=["CPUExecutionProvider"],
-                        thread_pool="per-session" if pool is None else f"shared ({pool or 'ORT default'} threads)")
+                        thread_pool="per-session" if pool is None else
+                        f"shared ({'ORT default' if not pool else pool} thread{'' if pool == 1 else 's'})")
         else:
             import tensorrt as trt
 
