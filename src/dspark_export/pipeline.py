@@ -316,7 +316,7 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     seconds["export"] = time.perf_counter() - t0
     manifest = Manifest(root, _manifest_data(cfg, inputs, graphs))
     for name in cpu_op_names:
-        manifest.data["plugins"][f"{cpu_ops.DOMAIN}::{name}"] = 1  # the runtime compiles the library on load
+        manifest.data["plugins"][cpu_ops.manifest_key(name)] = 1  # the runtime compiles the library on load
     if vocab_info is not None:
         manifest.data["draft_vocab"] = vocab_info
     _write_engines(manifest, cfg)

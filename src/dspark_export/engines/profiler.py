@@ -201,7 +201,6 @@ def _check_monotone(rows: list[dict], dim: str) -> list[str]:
     return warnings
 
 
-
 def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int = 2, repeats: int = 6,
                         progress: Callable[[str], None] | None = None, budget_ms: float | None = None) -> dict:
     """Fit what padded attention costs on the target engines (module docstring): c_a and c_kv.
@@ -231,7 +230,7 @@ def measure_layout_cost(engines: EngineSet, context_len: int = 128, warmup: int 
         when true)}.
     """
     graphs, runtime = engines.manifest.data["graphs"], engines.manifest.runtime
-    if f"{cpu_ops.DOMAIN}::{cpu_ops.RAGGED_ATTENTION}" in engines.manifest.data.get("plugins", {}):
+    if cpu_ops.manifest_key(cpu_ops.RAGGED_ATTENTION) in engines.manifest.data.get("plugins", {}):
         # the attention reads each request's live entries only: padding a layout costs nothing, SPS(B) prices it
         return {"ms_per_row_entry": 0.0, "ms_per_slot_entry": 0.0, "max_error_pct": 0.0, "layouts": [],
                 "live_entries_only": True}

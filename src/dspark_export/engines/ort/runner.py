@@ -205,12 +205,10 @@ def thread_settings(graph: str, threads: int = 0) -> dict:
 
 def session_options(overrides: Mapping[str, int], threads: int = 0, graph: str = "target",
                     prepack: bool = False) -> ort.SessionOptions:
-    so = base_session_options()
-    if _shared_pool_threads is None:   # else the process's shared pool (`use_shared_thread_pool`)
-        settings = thread_settings(graph, threads)
-        so.intra_op_num_threads = settings["intra_op_num_threads"]
-        if not settings["allow_spinning"]:
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    settings = thread_settings(graph, threads)
+    so = base_session_options(settings["intra_op_num_threads"])
+    if _shared_pool_threads is None and not settings["allow_spinning"]:   # a shared pool's spinning is its own
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
     for dim, value in overrides.items():

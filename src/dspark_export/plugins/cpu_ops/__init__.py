@@ -31,8 +31,9 @@ import onnx
 
 from ...errors import ConfigError, EngineDirError
 
-__all__ = ["DOMAIN", "RAGGED_ATTENTION", "ragged_attention_fits", "SOURCES", "library_path", "library", "register", "register_for", "graph_uses_cpu_ops",
-           "rewrite_graph_file", "markov_draft_greedy", "ragged_attention"]
+__all__ = ["DOMAIN", "RAGGED_ATTENTION", "manifest_key", "ragged_attention_fits", "SOURCES", "library_path", "library",
+           "register", "register_for", "graph_uses_cpu_ops", "rewrite_graph_file", "markov_draft_greedy",
+           "ragged_attention"]
 
 DOMAIN = "dspark.cpu"
 RAGGED_ATTENTION = "RaggedAttention"   #: the attention op's name (ragged_attention.cpp)
@@ -43,6 +44,11 @@ HEADERS = (_HERE / "ort_api.h",)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off"]
 _FALLBACK = ("set CXX, install g++, or build the engines with --int4-kernel matmulnbits --attention-kernel onnx "
              "--markov-draft-kernel onnx")
+
+
+def manifest_key(op: str) -> str:
+    """The key under which an engine directory's manifest lists a dspark.cpu op its graphs use (`plugins`)."""
+    return f"{DOMAIN}::{op}"
 
 
 def ragged_attention_fits(head_dim: int) -> bool:

@@ -214,12 +214,10 @@ struct Spec {
   static constexpr size_t kRequired = 4;  // d2t is optional
 };
 
-const CustomOp g_op = make_op<Spec, Kernel, compute>();
-
 }  // namespace
 
 namespace dspark_cpu {
-const CustomOp* markov_draft_greedy_op() { return &g_op; }
+const CustomOp* markov_draft_greedy_op() { return op_of<Spec, Kernel, compute>(); }
 }  // namespace dspark_cpu
 
 extern "C" {

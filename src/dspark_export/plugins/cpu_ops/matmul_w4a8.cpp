@@ -335,12 +335,10 @@ struct Spec {
   static constexpr size_t kRequired = 3;
 };
 
-const CustomOp g_op = make_op<Spec, Kernel, compute>();
-
 }  // namespace
 
 namespace dspark_cpu {
-const CustomOp* matmul_w4a8_op() { return &g_op; }
+const CustomOp* matmul_w4a8_op() { return op_of<Spec, Kernel, compute>(); }
 }  // namespace dspark_cpu
 
 extern "C" {

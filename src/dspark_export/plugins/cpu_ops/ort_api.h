@@ -263,6 +263,13 @@ CustomOp make_op() {
   return op;
 }
 
+// The one OrtCustomOp of an op (made on first use), for the accessors below.
+template <typename Spec, typename Kernel, Status (*compute)(void*, OrtKernelContext*)>
+const CustomOp* op_of() {
+  static const CustomOp op = make_op<Spec, Kernel, compute>();
+  return &op;
+}
+
 // The ops register.cpp adds to the dspark.cpu domain.
 const CustomOp* matmul_w4a8_op();
 const CustomOp* markov_draft_greedy_op();

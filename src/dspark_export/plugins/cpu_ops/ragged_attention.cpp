@@ -365,12 +365,10 @@ struct Spec {
   static constexpr size_t kRequired = 7;
 };
 
-const CustomOp g_op = make_op<Spec, Kernel, compute>();
-
 }  // namespace
 
 namespace dspark_cpu {
-const CustomOp* ragged_attention_op() { return &g_op; }
+const CustomOp* ragged_attention_op() { return op_of<Spec, Kernel, compute>(); }
 }  // namespace dspark_cpu
 
 extern "C" {
