@@ -93,7 +93,10 @@ def test_async_skips_the_drafter_and_probes_back(runtime, every_probe):  # noqa:
     assert 2 < len(calls) < steps // 2
 
 
-def test_async_with_a_cheap_drafter_never_skips(runtime):  # noqa: F811
+def test_async_with_a_cheap_drafter_never_skips(runtime, monkeypatch):  # noqa: F811
+    """Free drafts on a flat profile: any survival pays, taking the confidences at their word. (The fixture's
+    random drafter's drafts are rarely accepted, so `outcome_ratio` would rightly scale them down: held at 1.)"""
+    monkeypatch.setattr(draft_control.SkipController, "outcome_ratio", lambda self: 1.0)
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile((64,), (100.0,), draft_requests=(1, 4), draft_ms=(0.0, 0.0))
     result = gen.generate([PROMPTS[1]], [SamplingParams(max_new_tokens=30)])[0]
@@ -504,3 +507,69 @@ def test_a_probe_whose_requests_all_fail_leaves_the_others_and_the_estimate_alon
             assert result.finish_reason == "error" and "drafter_block" in result.error
         else:
             assert result.token_ids == _solo(runtime, prompt, 40)
+
+
+def test_outcome_ratio_weighs_accepted_drafts_against_promised_survivals():
+    profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
+    c = draft_control.SkipController(profile, 4)
+    assert c.outcome_ratio() == 1.0                                  # no outcome yet: the confidences as given
+    conf = np.array([[0.9, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]])
+    c.observe_outcome(conf, np.array([2, 0]), np.array([0, 0]))      # promised 0.9 + 0.45 (row 1 verified none)
+    P = draft_control._OUTCOME_PRIOR
+    assert c.expected_sum == pytest.approx(1.35) and c.outcome_ratio() == pytest.approx(P / (1.35 + P))
+    for _ in range(30):                                              # promised ~1.35 per step, none accepted
+        c.observe_outcome(conf, np.array([2, 0]), np.array([0, 0]))
+    assert c.outcome_ratio() < 0.2
+    for _ in range(60):                                              # then promised 0.5 + 0.25, both accepted
+        c.observe_outcome(np.full((2, 4), 0.5), np.array([2, 0]), np.array([2, 0]))
+    assert c.outcome_ratio() == draft_control._OUTCOME_MAX             # capped: 2 / 0.75 is above it
+    c.observe_outcome(np.zeros((0, 4)), np.zeros(0, np.int64), np.zeros(0, np.int64))   # nothing verified
+
+
+class _WrongDrafts(_ScriptedConfidence):
+    """Confidence 0.95 everywhere, drafts that are never the target's token (the target's own, shifted by one)."""
+
+    def __init__(self):
+        super().__init__(lambda call, s: 0.95)
+
+    def __call__(self, gen, active):
+        out = super().__call__(gen, active)
+        out["draft_ids"] = (out["draft_ids"] + 1) % gen.vocab_size
+        return out
+
+
+@pytest.mark.parametrize("trust_confidence", [False, True])
+def test_async_stops_drafting_when_confident_drafts_keep_failing(runtime, monkeypatch, trust_confidence):  # noqa: F811
+    """Drafts promised at 0.95 per position and never accepted: the outcome ratio switches the drafter off
+    after a few drafted steps, where confidences taken at their word (ratio held at 1) draft every step."""
+    monkeypatch.setattr(draft_control.DraftController, "observe_draft_time", lambda self, slots, seconds: None)
+    if trust_confidence:
+        monkeypatch.setattr(draft_control.SkipController, "outcome_ratio", lambda self: 1.0)
+    drafter = _WrongDrafts()
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
+    gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
+    result = gen.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])[0]
+    assert result.token_ids == _solo(runtime, PROMPTS[0], 60) and result.stats.accepted_tokens == 0
+    if trust_confidence:
+        assert gen.drafts_skipped == 0
+    else:
+        assert drafter.calls <= 12 and gen.drafts_skipped >= 40, (drafter.calls, gen.drafts_skipped)
+
+
+def test_skip_decisions_are_searched_once_per_change(monkeypatch):
+    """A run of skipped steps repeats the skip rule's two searches (`can_pay` at survival 1, the rule on the running
+    mean) only when R, S, the profile or the observations change; the answers equal fresh searches."""
+    calls = []
+    search = draft_control.mean_survival_capacity
+    monkeypatch.setattr(draft_control, "mean_survival_capacity", lambda *a, **k: calls.append(a[1]) or search(*a, **k))
+    profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1, 2), draft_ms=(10.0, 12.0))
+    c = draft_control.SkipController(profile, 4)
+    c.observe(np.full((1, 4), 0.05))                 # drafting does not pay on this mean
+    counts = [c.draft_count(1, 1, profile) for _ in range(3)]
+    assert counts == [0, 0, 0] and len(calls) == 2   # one search each, then cached
+    assert c.draft_count(2, 2, profile) == 0 and len(calls) == 4
+    c.observe(np.full((1, 4), 0.99))
+    c.observe_outcome(np.full((1, 4), 0.99), np.array([4]), np.array([4]))
+    assert c.draft_count(1, 1, profile) == 1 and len(calls) == 5   # can_pay cached, the rule searched again
+    other = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1, 2), draft_ms=(10.0, 12.0))
+    assert c.draft_count(1, 1, other) == 1 and len(calls) == 7       # a new profile object: both again

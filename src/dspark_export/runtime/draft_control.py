@@ -25,6 +25,9 @@ _PROBE_REQUESTS = 2    # dspark-async: requests a probe step drafts for (the lea
 _SKIP_MARGIN = 0.2     # dspark-async: draft only when the expected throughput gain is at least this fraction
 _PROBE_OVERHEAD = 0.05  # dspark-async: probes' drafter time, at most this fraction of the skipped steps' time
 _FLOOR_CAP = 10**6     # the most skipped steps `probe_floor` asks for
+_OUTCOME_DECAY = 0.1   # dspark-async skip rule: weight older drafted steps lose per drafted step in `outcome_ratio`
+_OUTCOME_PRIOR = 2.0   # dspark-async skip rule: pseudo-tokens at ratio 1 in `outcome_ratio` (no history: 1)
+_OUTCOME_MAX = 1.5     # dspark-async skip rule: the most `outcome_ratio` scales the survivals up
 
 
 class DraftController:
@@ -48,6 +51,9 @@ class DraftController:
         self.history: list[np.ndarray] = []  # confidences [R, γ] of the last two drafted steps
         self.drafts_skipped = 0  # steps whose drafter block was skipped, for benchmarks
         self.draft_wall: dict[int, float] = {}  # block rows -> running mean of the drafter block's wall time, s
+        # `can_pay`'s answers for the profile they were priced on: {(R, S): bool}. Why cached: the search costs
+        # ~0.1 ms, as much as the rest of a skipped step's host work, and its inputs change only with R, S or the layout
+        self._pay_cache: tuple[ThroughputProfile | None, dict] = (None, {})
 
     def draft_count(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> int:
         """How many of the R = `num_requests` decoding requests (in `num_slots` slots) this step drafts for: 0 (the
@@ -73,9 +79,13 @@ class DraftController:
         win). `profile`: the one the policy prices with (dspark: SPS(B); dspark-async: bound to the layout)."""
         if self.profile is None or profile is None:
             return True
-        R = num_requests
-        return mean_survival_capacity(np.ones((R, self.block_size)), R, profile, self.margin,
-                                      draft_slots=num_slots) > 0
+        if self._pay_cache[0] is not profile:
+            self._pay_cache = (profile, {})
+        answers, R = self._pay_cache[1], num_requests
+        if (R, num_slots) not in answers:
+            answers[R, num_slots] = mean_survival_capacity(np.ones((R, self.block_size)), R, profile, self.margin,
+                                                           draft_slots=num_slots) > 0
+        return answers[R, num_slots]
 
     def lagged(self) -> np.ndarray | None:
         """The confidences [R', γ] of two drafted steps ago, or None (dspark-async's lagged capacity)."""
@@ -84,6 +94,11 @@ class DraftController:
     def observe(self, confidence: np.ndarray) -> None:
         """Record the confidences [R, γ] the policy saw in a committed drafted step."""
         self.history = (self.history + [confidence])[-2:]
+
+    def observe_outcome(self, confidence: np.ndarray, verify_lens: np.ndarray, accepted: np.ndarray) -> None:
+        """Record what a committed drafted step's verification gave: `confidence` [n, γ] of the n requests
+        that verified, `verify_lens` [n] their ℓ, `accepted` [n] their accepted drafts. Only
+        `SkipController` uses it."""
 
     def observe_draft_time(self, rows: int, seconds: float) -> None:
         """Fold one drafter block's wall time over `rows` rows (S for a block over every slot, the requests
@@ -111,6 +126,13 @@ class SkipController(DraftController):
     confidences can overrate position 1; both push a marginal decision toward drafting
     (reports/measurement_history.md, "dspark-async skip margin"; margins 0.05-0.3 tie single user:
     reports/runtime_split/s31/).
+
+    Why the survivals are scaled by `outcome_ratio` (accepted drafts over the survivals the confidences
+    promised for them, over recent drafted steps): calibration fits the confidences on average over the
+    calibration split, but on one prompt they can be far off either way. On one humaneval prompt the drafter
+    promised 63 accepted drafts over 46 drafted steps and 4 were accepted; each probe's confidences looked as
+    good, so the step drafted again (reports/runtime_split/s35/). The ratio reads token counts of earlier
+    steps only (no timing), so a step's decision still depends on the past alone.
 
     Why a running mean: one step's survivals are noisy (at R = 1 they swing from ~0 to ~1 between tokens),
     and a rule on them switched a drafter that pays on average off for whole probe intervals. Why averaged
@@ -151,6 +173,10 @@ class SkipController(DraftController):
         # the last probe (the newest weighs max(1/n, _SURVIVAL_EMA))
         self.survival_mean: np.ndarray | None = None
         self.survival_n = 0
+        self.accepted_sum = self.expected_sum = 0.0   # decayed sums over drafted steps, for `outcome_ratio`
+        # the last skip decision and what it read (R, S, profile, `observed`): a run of skipped steps changes none
+        self._decision: tuple | None = None
+        self.observed = 0    # drafted steps observed so far (`observe`, `observe_outcome`)
 
     def draft_count(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> int:
         R = num_requests
@@ -166,13 +192,24 @@ class SkipController(DraftController):
             return self.probe_width(R)
         if self.survival_mean is None:
             return self.probe_width(R)
-        if mean_survival_capacity(np.broadcast_to(self.survival_mean, (R, self.block_size)), R,
-                                  step_profile, _SKIP_MARGIN, draft_slots=num_slots) > 0:
+        if self.pays(R, num_slots, step_profile):
             self.probe_interval = _MIN_PROBE_INTERVAL
             return R
         self.skipped += 1
         self.drafts_skipped += 1
         return 0
+
+    def pays(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile) -> bool:
+        """The skip rule: K* > 0 for R requests in S slots given the running mean survival scaled by
+        `outcome_ratio` (`scheduler.mean_survival_capacity` at _SKIP_MARGIN). Recomputed only when R, S, the
+        profile or the observations changed since the last call."""
+        key = (num_requests, num_slots, self.observed)
+        if self._decision is None or self._decision[0] is not step_profile or self._decision[1] != key:
+            survival = np.minimum(self.survival_mean * self.outcome_ratio(), 1.0)
+            self._decision = (step_profile, key, mean_survival_capacity(
+                np.broadcast_to(survival, (num_requests, self.block_size)), num_requests, step_profile,
+                _SKIP_MARGIN, draft_slots=num_slots) > 0)
+        return self._decision[2]
 
     @staticmethod
     def probe_width(num_requests: int) -> int:
@@ -182,10 +219,26 @@ class SkipController(DraftController):
     def observe(self, confidence: np.ndarray) -> None:
         """Also fold the step's request-averaged survival [γ] into the running mean."""
         super().observe(confidence)
+        self.observed += 1
         m = survival_probs(confidence).mean(axis=0)
         self.survival_n += 1
         w = max(1.0 / self.survival_n, _SURVIVAL_EMA)
         self.survival_mean = m if self.survival_n == 1 else (1 - w) * self.survival_mean + w * m
+
+    def observe_outcome(self, confidence: np.ndarray, verify_lens: np.ndarray, accepted: np.ndarray) -> None:
+        """Fold a drafted step's accepted drafts Σ a_r and the survivals its confidences promised for the
+        verified positions, Σ_r Σ_{j ≤ ℓ_r} A_rj, into the decayed sums `outcome_ratio` reads."""
+        survival = survival_probs(np.asarray(confidence, np.float64))
+        verified = np.arange(survival.shape[1])[None, :] < np.asarray(verify_lens)[:, None]
+        keep = 1.0 - _OUTCOME_DECAY
+        self.observed += 1
+        self.expected_sum = keep * self.expected_sum + float(survival[verified].sum())
+        self.accepted_sum = keep * self.accepted_sum + float(np.sum(accepted))
+
+    def outcome_ratio(self) -> float:
+        """(accepted + P) / (expected + P) over the decayed sums of `observe_outcome`, P = _OUTCOME_PRIOR
+        pseudo-tokens, at most _OUTCOME_MAX: 1 before any outcome, → 0 when promised drafts keep failing."""
+        return min((self.accepted_sum + _OUTCOME_PRIOR) / (self.expected_sum + _OUTCOME_PRIOR), _OUTCOME_MAX)
 
     def pricing(self, step_profile: ThroughputProfile | None) -> ThroughputProfile | None:
         """dspark-async prices its skip rule, and so `can_pay`, on the profile bound to the step's layout."""

@@ -355,6 +355,11 @@ class Generator:
             self.draft_clock += 1
             for s in rnd.drafted:
                 s.drafted_at = self.draft_clock
+            verified = {s.slot for s in rnd.live(rnd.decoding)}
+            done = np.array([s.slot for s in rnd.drafted if s.slot in verified], np.int64)
+            if done.size:
+                self.controller.observe_outcome(rnd.drafts["confidence"][done], rnd.verify_lens[done],
+                                                rnd.num_accepted[done])
         for s in rnd.active:                  # the flushed backlog rows, written past lens in the step
             if s.slot in rnd.flushed and s.slot not in rnd.failed:
                 self.batch.draft_kv.lens[s.slot] = rnd.flushed[s.slot]
