@@ -45,11 +45,16 @@ class RequestState:
     # drafter-context backlog: tapped features [n, F] float32 and positions [n] int64 of committed rows
     # not yet run through `drafter_context` (draft_kv.lens + backlog_rows == target_kv.lens)
     backlog: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    backlog_rows: int = 0     # rows in `backlog`, kept by `add_backlog` / `clear_backlog` (read every step)
     drafted_at: int = 0       # the generator's draft clock when a step last drafted for it (0: never)
 
-    @property
-    def backlog_rows(self) -> int:
-        return sum(len(p) for _, p in self.backlog)
+    def add_backlog(self, aux: np.ndarray, positions: np.ndarray) -> None:
+        """Queue committed rows' features aux [n, F] and positions [n] for the drafter context."""
+        self.backlog.append((aux, positions))
+        self.backlog_rows += len(positions)
+
+    def clear_backlog(self) -> None:
+        self.backlog, self.backlog_rows = [], 0
 
     @property
     def start(self) -> int:
@@ -64,7 +69,7 @@ class RequestState:
 def finish(s: RequestState, tokens: list[int] | None = None) -> None:
     """Mark a request finished (its result's finish_reason is already set) and tell its `on_token`."""
     s.done = True
-    s.backlog = []                          # never needed again; free the features now
+    s.clear_backlog()                       # never needed again; free the features now
     s.result.stats.wall_s = time.perf_counter() - s.t0
     if s.on_token:
         s.on_token(s.index, tokens or [], s.result)

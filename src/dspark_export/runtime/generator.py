@@ -318,15 +318,13 @@ class Generator:
         """Set the verify lengths ℓ of the decoding slots (`rnd.verify_lens`), capped so a round never passes
         max_new_tokens or the capacity; returns the confidences [R', γ] of the R' requests drafted for (None
         without drafts), which the controller learns from."""
-        if not decoding:
+        if not decoding or rnd.drafts is None:
             return None
         slots = np.array([s.slot for s in decoding], np.int64)
         caps = np.array([max(0, min(self.block_size,
                                     self.max_context - s.start - 1,                     # cache rows after the anchor
                                     s.params.max_new_tokens - len(s.result.token_ids) - 1))  # drafts past max are waste
                          for s in decoding], np.int64)
-        if rnd.drafts is None:
-            return None
         drafted = [s.slot for s in rnd.drafted]
         conf = np.where(np.isin(slots, drafted)[:, None], rnd.drafts["confidence"][slots], 0)   # not drafted: 0
         lens = self.policy.verify_lengths(conf, self.block_size, self._step_profile(), self.controller.lagged(), caps)
@@ -363,7 +361,7 @@ class Generator:
         for s in rnd.active:                  # the flushed backlog rows, written past lens in the step
             if s.slot in rnd.flushed and s.slot not in rnd.failed:
                 self.batch.draft_kv.lens[s.slot] = rnd.flushed[s.slot]
-                s.backlog = []
+                s.clear_backlog()
         if rnd.commit is not None:
             c = rnd.commit
             self.batch.target_kv.append(c.slots, c.target_keys, c.target_values)
@@ -373,7 +371,7 @@ class Generator:
                 for s in rnd.active:
                     if s.slot in at:
                         a, n = at[s.slot]
-                        s.backlog.append((c.aux[a:a + n], c.positions[a:a + n]))
+                        s.add_backlog(c.aux[a:a + n], c.positions[a:a + n])
         drafts = rnd.drafts
         for s in rnd.decoding:
             if s.slot in rnd.failed:
