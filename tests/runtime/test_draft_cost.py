@@ -573,3 +573,63 @@ def test_skip_decisions_are_searched_once_per_change(monkeypatch):
     assert c.draft_count(1, 1, profile) == 1 and len(calls) == 5   # can_pay cached, the rule searched again
     other = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1, 2), draft_ms=(10.0, 12.0))
     assert c.draft_count(1, 1, other) == 1 and len(calls) == 7       # a new profile object: both again
+
+
+class _WrongFor(_ScriptedConfidence):
+    """Confidence 0.95 everywhere; the target's own drafts, shifted by one (never accepted) for the requests in `wrong`."""
+
+    def __init__(self, wrong):
+        super().__init__(lambda call, s: 0.95)
+        self.wrong = wrong
+
+    def __call__(self, gen, active):
+        out = super().__call__(gen, active)
+        out["draft_ids"] = out["draft_ids"].copy()
+        for s in active:
+            if s.index in self.wrong:
+                out["draft_ids"][s.slot] = (out["draft_ids"][s.slot] + 1) % gen.vocab_size
+        return out
+
+
+def test_a_request_into_an_empty_batch_starts_the_skip_rule_afresh(runtime, monkeypatch):  # noqa: F811
+    """A request whose drafts all fail, then one whose drafts all pass, on one generator: the second drafts every
+    step from its first, as on a new generator (the first's low outcome ratio and long probe interval are gone)."""
+    monkeypatch.setattr(draft_control.DraftController, "observe_draft_time", lambda self, slots, seconds: None)
+    drafter = _WrongFor({0})
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), drafter=drafter)
+    gen.profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
+    bad = gen.submit(PROMPTS[0], SamplingParams(max_new_tokens=60))
+    while gen.has_work():
+        gen.step()
+    assert gen.result(bad).stats.accepted_tokens == 0 and gen.controller.outcome_ratio() < 0.5
+    skipped = gen.drafts_skipped
+    good = gen.submit(PROMPTS[1], SamplingParams(max_new_tokens=60))
+    while gen.has_work():
+        gen.step()
+    assert gen.drafts_skipped == skipped and gen.result(good).stats.accepted_tokens >= 40
+    assert gen.result(good).token_ids == _solo(runtime, PROMPTS[1], 60)
+
+
+def test_a_drafted_step_that_verifies_nothing_leaves_the_ratio_alone():
+    profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
+    c = draft_control.SkipController(profile, 4)
+    for _ in range(20):
+        c.observe_outcome(np.full((1, 4), 0.9), np.array([3]), np.array([0]))
+    low = c.outcome_ratio()
+    for _ in range(20):
+        c.observe_outcome(np.full((1, 4), 0.9), np.array([0]), np.array([0]))
+    assert c.outcome_ratio() == low < 0.3
+
+
+def test_the_skip_rule_reads_the_margin_it_runs_at(monkeypatch):
+    """The worked example pays at margin 0 and not at 0.2; a cached answer follows a changed margin."""
+    profile = ThroughputProfile((1, 2, 4, 8), (40.0, 28.0, 25.0, 20.0), draft_requests=(1,), draft_ms=(10.0,))
+    c = draft_control.SkipController(profile, 4)
+    c.observe(np.array([[0.95] * 4]))
+    c.observe(np.array([[0.05] * 4]))
+    assert c.pays(1, 1, profile) is False
+    monkeypatch.setattr(draft_control, "_SKIP_MARGIN", 0.0)
+    assert c.pays(1, 1, profile) is True
+    assert c.can_pay(1, 1, profile) is True
+    c.margin = 50.0
+    assert c.can_pay(1, 1, profile) is False

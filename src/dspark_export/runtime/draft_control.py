@@ -51,7 +51,7 @@ class DraftController:
         self.history: list[np.ndarray] = []  # confidences [R, γ] of the last two drafted steps
         self.drafts_skipped = 0  # steps whose drafter block was skipped, for benchmarks
         self.draft_wall: dict[int, float] = {}  # block rows -> running mean of the drafter block's wall time, s
-        # `can_pay`'s answers for the profile they were priced on: {(R, S): bool}. Why cached: the search costs
+        # `can_pay`'s answers for the profile they were priced on: {(R, S, margin): bool}. Why cached: the search costs
         # ~0.1 ms, as much as the rest of a skipped step's host work, and its inputs change only with R, S or the layout
         self._pay_cache: tuple[ThroughputProfile | None, dict] = (None, {})
 
@@ -82,10 +82,11 @@ class DraftController:
         if self._pay_cache[0] is not profile:
             self._pay_cache = (profile, {})
         answers, R = self._pay_cache[1], num_requests
-        if (R, num_slots) not in answers:
-            answers[R, num_slots] = mean_survival_capacity(np.ones((R, self.block_size)), R, profile, self.margin,
-                                                           draft_slots=num_slots) > 0
-        return answers[R, num_slots]
+        key = (R, num_slots, self.margin)
+        if key not in answers:
+            answers[key] = mean_survival_capacity(np.ones((R, self.block_size)), R, profile, self.margin,
+                                                  draft_slots=num_slots) > 0
+        return answers[key]
 
     def lagged(self) -> np.ndarray | None:
         """The confidences [R', γ] of two drafted steps ago, or None (dspark-async's lagged capacity)."""
@@ -111,6 +112,11 @@ class DraftController:
         """Forget the lagged confidences (their rows no longer line up with the requests after a resize)."""
         self.history = []
 
+    def restart(self) -> None:
+        """Forget what earlier requests taught (the generator calls this when requests arrive in an empty batch):
+        here the lagged confidences."""
+        self.reset()
+
 
 class SkipController(DraftController):
     """dspark-async with a known drafter cost: skip the drafter block when drafting does not pay.
@@ -132,7 +138,9 @@ class SkipController(DraftController):
     calibration split, but on one prompt they can be far off either way. On one humaneval prompt the drafter
     promised 63 accepted drafts over 46 drafted steps and 4 were accepted; each probe's confidences looked as
     good, so the step drafted again (reports/runtime_split/s35/). The ratio reads token counts of earlier
-    steps only (no timing), so a step's decision still depends on the past alone.
+    steps only (no timing), so a step's decision still depends on the past alone. It restarts with the mean at
+    each probe: kept across probes, one request's failed drafts held the next request's good ones off for
+    dozens of steps (a low ratio decays only on drafted steps, which it prevents).
 
     Why a running mean: one step's survivals are noisy (at R = 1 they swing from ~0 to ~1 between tokens),
     and a rule on them switched a drafter that pays on average off for whole probe intervals. Why averaged
@@ -187,6 +195,8 @@ class SkipController(DraftController):
             return self.probe_width(R)
         if self.skipped >= max(self.probe_interval, self.probe_floor(R, num_slots)):
             self.history, self.skipped, self.survival_n = [], 0, 0
+            self.accepted_sum = self.expected_sum = 0.0      # the ratio restarts with the mean
+            self.observed += 1
             self.probe_interval = min(2 * self.probe_interval, _MAX_PROBE_INTERVAL)
             self.probe_left = _PROBE_STEPS - 1
             return self.probe_width(R)
@@ -203,13 +213,23 @@ class SkipController(DraftController):
         """The skip rule: K* > 0 for R requests in S slots given the running mean survival scaled by
         `outcome_ratio` (`scheduler.mean_survival_capacity` at _SKIP_MARGIN). Recomputed only when R, S, the
         profile or the observations changed since the last call."""
-        key = (num_requests, num_slots, self.observed)
+        key = (num_requests, num_slots, self.observed, _SKIP_MARGIN)
         if self._decision is None or self._decision[0] is not step_profile or self._decision[1] != key:
             survival = np.minimum(self.survival_mean * self.outcome_ratio(), 1.0)
             self._decision = (step_profile, key, mean_survival_capacity(
                 np.broadcast_to(survival, (num_requests, self.block_size)), num_requests, step_profile,
                 _SKIP_MARGIN, draft_slots=num_slots) > 0)
         return self._decision[2]
+
+    def restart(self) -> None:
+        """Also the running mean, the outcome ratio and the probe schedule: a new batch starts as a new
+        controller does (drafting for `probe_width` requests until its first observation). Why: kept, one
+        request's failed drafts held the next one's good drafts off until a probe dozens of steps later."""
+        super().restart()
+        self.survival_mean, self.survival_n = None, 0
+        self.accepted_sum = self.expected_sum = 0.0
+        self.skipped, self.probe_interval, self.probe_left = 0, _MIN_PROBE_INTERVAL, 0
+        self.observed += 1
 
     @staticmethod
     def probe_width(num_requests: int) -> int:
@@ -230,6 +250,8 @@ class SkipController(DraftController):
         verified positions, Σ_r Σ_{j ≤ ℓ_r} A_rj, into the decayed sums `outcome_ratio` reads."""
         survival = survival_probs(np.asarray(confidence, np.float64))
         verified = np.arange(survival.shape[1])[None, :] < np.asarray(verify_lens)[:, None]
+        if not verified.any():
+            return                      # nothing verified: no outcome, and older ones keep their weight
         keep = 1.0 - _OUTCOME_DECAY
         self.observed += 1
         self.expected_sum = keep * self.expected_sum + float(survival[verified].sum())

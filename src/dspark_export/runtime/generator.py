@@ -203,8 +203,11 @@ class Generator:
         inside `faults.run_isolated`: an engine fault fails only the requests it touched)."""
         self.batch.drop_cancelled()
         self.batch.release_finished()      # a cancelled request's slot goes to the next waiting one
+        idle = not self.batch.active()
         self.batch.admit()
         active = self.batch.active()
+        if idle and active:
+            self.controller.restart()      # nothing it learnt was about these requests
         if active:
             faults.run_isolated(active, self.speculative_step, self._apply, self._fail)
         self.batch.release_finished()
