@@ -1,9 +1,9 @@
 """Single user, one process: per policy, tokens/s, rounds, τ, host time and each engine's calls / mean ms
 (target passes by row count), two rounds alternating the policies.
 
-    python stage_split.py ENGINE_DIR POLICY[,POLICY...] [PROMPTS_PER_DATASET]
+    python stage_split.py ENGINE_DIR POLICY[,POLICY...] [PROMPTS_PER_DATASET] [DATASET,...]
 
-The prompts are `bench peers`' (gsm8k, humaneval, mt-bench, chat template), 128 new tokens, 2 threads."""
+The prompts are `bench peers`' (gsm8k, humaneval, mt-bench unless named, chat template), 128 new tokens, 2 threads."""
 import sys, time, collections
 from pathlib import Path
 import numpy as np
@@ -25,7 +25,7 @@ def inf(self, runner, feed):
         T[k] += time.perf_counter() - t; N[k] += 1
 ST.EngineStages.infer = inf
 rt = Runtime.open(Path(eng), policy="ar", threads=2)
-prompts = PeersBenchConfig(eng, datasets=('gsm8k','humaneval','mt-bench'), datasets_dir='/work/shared/eval_datasets', prompts_per_dataset=npp).prompts
+prompts = PeersBenchConfig(eng, datasets=tuple(sys.argv[4].split(',')) if len(sys.argv)>4 else ('gsm8k','humaneval','mt-bench'), datasets_dir='/work/shared/eval_datasets', prompts_per_dataset=npp).prompts
 ids = [rt.encode(q, True) for q in prompts]
 gens = {p: Generator(rt.engines, parse_policy(p)) for p in pols}
 for g in gens.values(): g.generate([ids[0]], [SamplingParams(max_new_tokens=16)])

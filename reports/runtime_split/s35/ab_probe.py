@@ -1,42 +1,23 @@
-"""Single user: ar, dspark-async with probes held to 2 % of the skipped steps' time (_PROBE_OVERHEAD 0.02), dspark-async
-as shipped (0.05); one Generator per system across the 21 peer prompts, interleaved."""
-import sys, time, numpy as np
-from dspark_export.engines.ort.runner import use_shared_thread_pool
-use_shared_thread_pool(2)
-from dspark_export.bench.peers import PeersBenchConfig
-from dspark_export.runtime.api import Runtime
-from dspark_export.runtime.draft_control import DraftController
-from dspark_export.runtime.generator import Generator
-from dspark_export.runtime.policies import parse_policy
-from dspark_export.runtime.request import SamplingParams
-E = sys.argv[1]; rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-prompts = PeersBenchConfig(E, datasets=("gsm8k", "humaneval", "mt-bench"), datasets_dir="/work/shared/eval_datasets",
-                           prompts_per_dataset=7).prompts
-rt = Runtime.open(E, policy="ar", threads=2)
-ids = [rt.encode(q, True) for q in prompts]
-gens = {"ar": Generator(rt.engines, parse_policy("ar")), "async probe 2%": Generator(rt.engines, parse_policy("dspark-async")),
-        "async": Generator(rt.engines, parse_policy("dspark-async"))}
-c = gens["async probe 2%"].controller
-import numpy as _np
-from dspark_export.runtime import draft_control as DCm
-def floor(R, S, c=c):
-    w = c.probe_width(R); rows = S if w == R else w
-    d, sps = max(c.profile.draft_seconds(rows), c.draft_wall.get(rows, 0.0)), c.profile.sps(R)
-    return int(_np.ceil(min(DCm._PROBE_STEPS * d * sps / 0.02, DCm._FLOOR_CAP)))
-c.probe_floor = floor
-names = list(gens)
-def run(name, x):
-    [r] = gens[name].generate([x], [SamplingParams(max_new_tokens=128)])
-    return r.token_ids
-for n in names: run(n, ids[0])
-wall = {n: np.zeros((rounds, len(ids))) for n in names}; toks = {n: {} for n in names}
-for k in range(rounds):
-    for i, x in enumerate(ids):
-        for n in (names if k % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter(); toks[n][i] = run(n, x); wall[n][k, i] = time.perf_counter() - t0
-ar = wall["ar"].sum(axis=1); N = sum(len(t) for t in toks["ar"].values())
-for n in names:
-    per = [round(float(a / w), 3) for a, w in zip(ar, wall[n].sum(axis=1))]
-    print(f"{n:14s} {N / np.median(wall[n], axis=0).sum():6.2f} tok/s ×ar per round {per} identical {all(toks[n][i] == toks['ar'][i] for i in toks['ar'])}")
-    med = np.median(wall["ar"], axis=0) / np.median(wall[n], axis=0)
-    print("   per dataset ×ar (median wall per prompt):", [round(float(med[7 * j:7 * j + 7].mean()), 3) for j in range(3)])
+"""Single user (`ab_common.py`): dspark-async with the probe floor at 2 % of the skipped steps' time
+(`_PROBE_OVERHEAD` 0.02 instead of 0.05), and dspark-async as on main.
+
+    python reports/runtime_split/s35/ab_probe.py ENGINE_DIR [ROUNDS]
+"""
+import numpy as np
+
+from ab_common import run
+from dspark_export.runtime import draft_control as dc
+
+
+def floor_2pct(gen):
+    c = gen.controller
+
+    def probe_floor(R, S):   # `SkipController.probe_floor` at 0.02
+        width = c.probe_width(R)
+        rows = S if width == R else width
+        d, sps = max(c.profile.draft_seconds(rows), c.draft_wall.get(rows, 0.0)), c.profile.sps(R)
+        return int(np.ceil(min(dc._PROBE_STEPS * d * sps / 0.02, dc._FLOOR_CAP)))
+    c.probe_floor = probe_floor
+
+
+run({"async probe 2%": floor_2pct, "async": None})

@@ -175,16 +175,27 @@ class SkipController(DraftController):
 
     def __init__(self, profile: ThroughputProfile, block_size: int):
         super().__init__(True, profile, block_size, _SKIP_MARGIN)
+        self.observed = 0    # bumped by every change the skip rule reads (observations, restarts)
+        # the last skip decision: (profile, (R, S, `observed`, margin), answer); a run of skipped steps changes none
+        self._decision: tuple | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """Also the running mean, the outcome ratio and the probe schedule: a new batch starts as a new
+        controller does (drafting for `probe_width` requests until its first observation). Why: kept, one
+        request's failed drafts held the next one's good drafts off until a probe dozens of steps later."""
+        super().restart()
         self.skipped, self.probe_interval = 0, _MIN_PROBE_INTERVAL
         self.probe_left = 0  # drafted steps left in the current probe
-        # [γ] running mean over drafted steps of the request-averaged survival, and the steps in it since
-        # the last probe (the newest weighs max(1/n, _SURVIVAL_EMA))
-        self.survival_mean: np.ndarray | None = None
+        self.survival_mean: np.ndarray | None = None   # [γ] running mean of the request-averaged survival
+        self._restart_estimates()
+
+    def _restart_estimates(self) -> None:
+        """Start the running mean (over the steps since, `survival_n`; the newest weighs max(1/n,
+        _SURVIVAL_EMA)) and the outcome ratio's decayed sums over: at a probe and in `restart`."""
         self.survival_n = 0
-        self.accepted_sum = self.expected_sum = 0.0   # decayed sums over drafted steps, for `outcome_ratio`
-        # the last skip decision and what it read (R, S, profile, `observed`): a run of skipped steps changes none
-        self._decision: tuple | None = None
-        self.observed = 0    # drafted steps observed so far (`observe`, `observe_outcome`)
+        self.accepted_sum = self.expected_sum = 0.0
+        self.observed += 1
 
     def draft_count(self, num_requests: int, num_slots: int, step_profile: ThroughputProfile | None) -> int:
         R = num_requests
@@ -194,9 +205,8 @@ class SkipController(DraftController):
             self.probe_left -= 1
             return self.probe_width(R)
         if self.skipped >= max(self.probe_interval, self.probe_floor(R, num_slots)):
-            self.history, self.skipped, self.survival_n = [], 0, 0
-            self.accepted_sum = self.expected_sum = 0.0      # the ratio restarts with the mean
-            self.observed += 1
+            self.history, self.skipped = [], 0
+            self._restart_estimates()
             self.probe_interval = min(2 * self.probe_interval, _MAX_PROBE_INTERVAL)
             self.probe_left = _PROBE_STEPS - 1
             return self.probe_width(R)
@@ -220,16 +230,6 @@ class SkipController(DraftController):
                 np.broadcast_to(survival, (num_requests, self.block_size)), num_requests, step_profile,
                 _SKIP_MARGIN, draft_slots=num_slots) > 0)
         return self._decision[2]
-
-    def restart(self) -> None:
-        """Also the running mean, the outcome ratio and the probe schedule: a new batch starts as a new
-        controller does (drafting for `probe_width` requests until its first observation). Why: kept, one
-        request's failed drafts held the next one's good drafts off until a probe dozens of steps later."""
-        super().restart()
-        self.survival_mean, self.survival_n = None, 0
-        self.accepted_sum = self.expected_sum = 0.0
-        self.skipped, self.probe_interval, self.probe_left = 0, _MIN_PROBE_INTERVAL, 0
-        self.observed += 1
 
     @staticmethod
     def probe_width(num_requests: int) -> int:
