@@ -126,3 +126,92 @@ def test_gather_copies_chosen_slots_and_pads_with_empty_rows():
         assert not feed[f"key.{layer}"][2:].any() and not feed[f"value.{layer}"][2:].any()
     feed["key.0"][0] = -1.0                                       # a copy: the cache is untouched
     assert cache.keys[0][1].min() >= 0
+
+
+class _FreshCopies:
+    """The cache's layout semantics with a fresh zeroed array per layout (what the arena must equal)."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.keys = [k.copy() for k in cache.keys]
+        self.values = [v.copy() for v in cache.values]
+
+    def layout(self, num_slots: int, capacity: int, moves: list[tuple[int, int, int]]):
+        c = self.cache
+        shape = (num_slots, c.num_kv_heads, capacity, c.head_dim)
+        for arrays in (self.keys, self.values):
+            for layer, old in enumerate(arrays):
+                new = np.zeros(shape, np.float32)
+                for o, n, e in moves:
+                    new[n, :, :e] = old[o, :, :e]
+                arrays[layer] = new
+
+
+def test_layout_changes_in_the_arena_equal_fresh_copies():
+    """Random growth, shrink, remap (compacting and growing the slot count), writes past `lens` and resets:
+    after each step every layer equals a fresh zeroed copy of what the step keeps, entries past what was
+    kept are zero (the additive mask needs finite values), and shrinks and remaps inside the arena keep
+    its memory."""
+    rng = np.random.default_rng(0)
+    cache = KVCache(3, 2, 2, 4, max_capacity=2048, initial_capacity=128)
+    ref = _FreshCopies(cache)
+    for step in range(120):
+        op = rng.choice(["append", "write", "reset", "shrink", "remap"], p=[0.4, 0.1, 0.15, 0.15, 0.2])
+        S, C = cache.num_slots, cache.capacity
+        arena = cache._holder[0]
+        if op in ("append", "write") and S:
+            n = int(rng.integers(1, 300))
+            slots = np.sort(rng.integers(0, S, n))
+            k, v = _rows(n, layers=3, heads=2, dim=4, offset=float(step * 1000))
+            need = int((cache.lens + np.bincount(slots, minlength=S)).max())
+            if need > 2048:
+                continue
+            if need > C:
+                kept = min(C, aligned(need))
+                ref.layout(S, aligned(need), [(s, s, kept) for s in range(S)])
+            getattr(cache, op)(slots, k, v)
+            counts = np.bincount(slots, minlength=S)
+            for layer in range(3):
+                for s in range(S):
+                    a = int(cache.lens[s] - counts[s]) if op == "append" else int(cache.lens[s])
+                    ref.keys[layer][s, :, a:a + counts[s]] = k[layer][slots == s].transpose(1, 0, 2)
+                    ref.values[layer][s, :, a:a + counts[s]] = v[layer][slots == s].transpose(1, 0, 2)
+        elif op == "reset" and S:
+            cache.reset(int(rng.integers(0, S)))
+        elif op == "shrink":
+            before = C
+            if cache.shrink():
+                ref.layout(S, cache.capacity, [(s, s, cache.capacity) for s in range(S)])
+                assert cache.capacity < before and np.shares_memory(cache.keys[0], arena)
+        elif op == "remap":
+            live = [s for s in range(S) if cache.lens[s] > 0]
+            size = int(rng.integers(len(live), len(live) + 4)) or 1
+            moves = {o: n for n, o in enumerate(live)}
+            ref.layout(size, C, [(o, n, int(cache.lens[o])) for o, n in moves.items()])
+            cache.remap(size, moves)
+            if size * C * 2 * 3 * 2 * 4 <= arena.size:
+                assert np.shares_memory(cache.keys[0], arena)
+        assert cache.capacity == ref.keys[0].shape[2] and cache.num_slots == ref.keys[0].shape[0]
+        for layer in range(3):
+            np.testing.assert_array_equal(cache.keys[layer], ref.keys[layer], err_msg=f"step {step} {op}")
+            np.testing.assert_array_equal(cache.values[layer], ref.values[layer], err_msg=f"step {step} {op}")
+            assert cache.keys[layer].flags.c_contiguous and cache.values[layer].flags.c_contiguous
+
+
+def test_a_dead_cache_hands_its_arena_to_the_next_one():
+    import gc
+    from dspark_export.runtime.kv_cache import KVArenaPool
+    pool = KVArenaPool(keep=1)
+    cache = KVCache(2, 4, 2, 3, max_capacity=4096, initial_capacity=128)
+    assert cache.arena_bytes == 2 * 2 * 4 * 2 * 128 * 3 * 4          # no pool: exactly the first layout
+    cache = KVCache(2, 4, 2, 3, max_capacity=4096, initial_capacity=128, pool=pool)
+    cache.append(np.array([0, 3, 3]), *_rows(3))
+    cache.reserve(1000)
+    arena = cache._holder[0]
+    assert arena.any()
+    del cache
+    gc.collect()
+    assert pool.held_bytes == arena.nbytes
+    again = KVCache(2, 1, 2, 3, max_capacity=4096, initial_capacity=128, pool=pool)
+    assert pool.held_bytes == 0 and np.shares_memory(again.keys[1], arena)
+    assert not again.keys[1].any() and again.keys[1].shape == (1, 2, 128, 3)

@@ -42,6 +42,7 @@ Usage:
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections import Counter
@@ -414,8 +415,10 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
     def measure(text: str, c: int, prompts: list, tag: str) -> dict:
         """One measured closed loop of policy `text` at C = c, with its greedy identity spot check."""
         pol = policies[text]
+        gc.collect()    # a dead Generator's KV arenas return to the engines' pool only when its cycles are freed
         if cfg.warmup:
             Generator(engines, pol).generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, len(prompts)))
+            gc.collect()
         gen = Generator(engines, _timed(pol))
         run = _closed_loop(gen, prompts, c, params)
         row = _summarise(text, c, gen, run)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,10 +20,13 @@ from typing import Callable
 import numpy as np
 
 from ..engines.engine_set import EngineSet
-from .kv_cache import KVCache
+from .kv_cache import KVArenaPool, KVCache
 from .request import GREEDY_BELOW, GenerationResult, SamplingParams
 
 __all__ = ["RequestState", "Batch", "finish"]
+
+# one arena pool per engine set: a new Generator on the same engines reuses the KV memory a dead one touched
+_ARENAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -98,8 +102,9 @@ class Batch:
         self.on_resize: Callable[[], None] | None = None  # rows of per-slot history no longer line up
         m = engines.manifest.data
         tg, dg = m["graphs"]["target"]["spec"], m["graphs"]["drafter_block"]["spec"]
-        self.target_kv = KVCache(tg["num_layers"], 0, tg["num_kv_heads"], tg["head_dim"], max_context, 256)
-        self.draft_kv = KVCache(dg["num_layers"], 0, dg["num_kv_heads"], dg["head_dim"], max_context, 256)
+        pool = _ARENAS.setdefault(engines, KVArenaPool())    # arenas of earlier batches on these engines
+        self.target_kv = KVCache(tg["num_layers"], 0, tg["num_kv_heads"], tg["head_dim"], max_context, 256, pool)
+        self.draft_kv = KVCache(dg["num_layers"], 0, dg["num_kv_heads"], dg["head_dim"], max_context, 256, pool)
         # [S] the sampling parameters of each slot's request (greedy defaults where a slot is free)
         self.temperature = np.zeros(0, np.float32)
         self.top_k = np.zeros(0, np.int64)

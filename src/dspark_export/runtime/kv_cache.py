@@ -8,15 +8,54 @@ attention reads the cache in place in chunks of KEY_CHUNK keys (`exporter.target
 Capacity grows to the next multiple of KEY_CHUNK that holds what a step needs (one O(cache) copy per
 KEY_CHUNK tokens of the longest slot, so attention reads little past the live context) and, when
 requests leave (`shrink`), halves back while the longest live slot fills at most a quarter of it.
+
+Every layer's keys and values are views into one flat arena that a cache keeps for its life, and a
+change of layout (growth, `shrink`, `remap`) moves the entries inside it instead of allocating anew:
+writing fresh pages costs about 40x writing pages already touched on these VMs (first touch
+~190 MB/s; reports/serve/kv-arena), and at 16 slots one layout is ~0.5 GB. The arena only grows, so a
+cache holds the most it ever laid out; a `KVArenaPool` (one per EngineSet) hands a dead cache's arena to
+the next one (a new Generator on the same engines).
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import numpy as np
 
 from ..exporter.quantize import aligned
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "KVArenaPool"]
+
+
+class KVArenaPool:
+    """Flat float32 arenas of dead caches, kept for the next caches (the largest `keep` of them).
+
+    Thread-safe: a cache gives its arena back from a finalizer, which may run on any thread."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> np.ndarray | None:
+        """The largest kept arena (removed from the pool), or None."""
+        with self._lock:
+            return self._free.pop(0) if self._free else None
+
+    def give(self, arena: np.ndarray) -> None:
+        with self._lock:
+            self._free = sorted(self._free + [arena], key=lambda a: -a.size)[:self.keep]
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for a in self._free)
+
+
+def _give_back(pool: KVArenaPool, holder: list) -> None:
+    pool.give(holder[0])
 
 
 class KVCache:
@@ -30,10 +69,11 @@ class KVCache:
         max_capacity (int): the most entries one slot may hold (the engine's context capacity); the buffer
             may be longer (rounded up, plus a pass's query width).
         initial_capacity (int): starting C (rounded up to KEY_CHUNK). Defaults to 256.
+        pool (KVArenaPool | None): where the arena comes from and goes back to when the cache dies.
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 max_capacity: int, initial_capacity: int = 256):
+                 max_capacity: int, initial_capacity: int = 256, pool: KVArenaPool | None = None):
         self.num_layers, self.num_slots = num_layers, num_slots
         self.num_kv_heads, self.head_dim, self.max_capacity = num_kv_heads, head_dim, max_capacity
         self.initial_capacity = aligned(min(initial_capacity, max_capacity))
@@ -41,18 +81,58 @@ class KVCache:
         self.capacity = 0
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
-        self._allocate(self.initial_capacity)
+        arena = pool.take() if pool is not None else None
+        self._holder = [arena if arena is not None else np.zeros(0, np.float32)]   # [arena], for the finalizer
+        if pool is not None:
+            weakref.finalize(self, _give_back, pool, self._holder)
+        self._relayout(num_slots, self.initial_capacity, [])
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the arena the layers' views live in (touched or not)."""
+        return self._holder[0].nbytes
 
     def _allocate(self, capacity: int) -> None:
-        """Reallocate every layer at `capacity`, keeping the first min(old, new) entries of each slot."""
-        shape = (self.num_slots, self.num_kv_heads, capacity, self.head_dim)
-        old_k, old_v, kept = self.keys, self.values, min(self.capacity, capacity)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
-        for layer in range(len(old_k)):
-            self.keys[layer][:, :, :kept] = old_k[layer][:, :, :kept]
-            self.values[layer][:, :, :kept] = old_v[layer][:, :, :kept]
-        self.capacity = capacity
+        """Lay every layer out at `capacity`, keeping the first min(old, new) entries of each slot."""
+        kept = min(self.capacity, capacity)
+        self._relayout(self.num_slots, capacity, [(s, s, kept) for s in range(self.num_slots)])
+
+    def _relayout(self, num_slots: int, capacity: int, moves: list[tuple[int, int, int]]) -> None:
+        """Lay the cache out as [2, L, num_slots, kvH, capacity, D] in the arena; `moves` (old slot, new slot,
+        entries), increasing in both slots, say which of each slot's leading entries to carry over. Every
+        other entry of the new layout is zero (masked entries must be finite: the mask is an additive bias).
+
+        In place when the arena holds the new layout: each (layer, slot, head) row is one copy, those moving
+        toward the arena's start in ascending order, then those moving toward its end in descending order;
+        with sources and destinations both in increasing order, no copy overwrites a source still to be read.
+        Otherwise into a new arena of at least twice the size (untouched pages cost nothing until written)."""
+        L2, H, D = 2 * self.num_layers, self.num_kv_heads, self.head_dim
+        old, old_c, old_s = self._holder[0], self.capacity, self.num_slots
+        needed = L2 * num_slots * H * capacity * D
+        fresh = needed > old.size
+        arena = np.zeros(max(needed, 2 * old.size), np.float32) if fresh else old
+        assert all(a[0] < b[0] and a[1] < b[1] for a, b in zip(moves, moves[1:])), moves
+        rows = [(((l * old_s + o) * H + h) * old_c * D, ((l * num_slots + n) * H + h) * capacity * D, e * D)
+                for l in range(L2) for o, n, e in moves if e for h in range(H)]
+        if fresh:
+            for src, dst, size in rows:
+                arena[dst:dst + size] = old[src:src + size]
+        else:
+            left = [r for r in rows if r[1] < r[0]]
+            right = [r for r in rows if r[1] > r[0]]
+            for src, dst, size in left + right[::-1]:
+                arena[dst:dst + size] = arena[src:src + size]
+            view = arena[:needed].reshape(L2, num_slots, H, capacity, D)
+            kept = np.zeros(num_slots, np.int64)
+            for _, n, e in moves:
+                kept[n] = e
+            for n in range(num_slots):             # zero what no move wrote
+                view[:, n, :, kept[n]:] = 0.0
+        self._holder[0] = arena
+        view = arena[:needed].reshape(2, self.num_layers, num_slots, H, capacity, D)
+        self.keys = [view[0, l] for l in range(self.num_layers)]
+        self.values = [view[1, l] for l in range(self.num_layers)]
+        self.capacity, self.num_slots = capacity, num_slots
 
     def reserve(self, needed: int) -> None:
         """Make room for `needed` entries in some slot. Raises ValueError past max_capacity."""
@@ -132,21 +212,16 @@ class KVCache:
         self.lens[slot] = 0
 
     def remap(self, num_slots: int, moves: dict[int, int]) -> None:
-        """Change the slot count to `num_slots`, moving slot `old` to `new` for each (old, new) in `moves`;
-        every other slot of the result is empty. O(cache) copy: done only when the batch crosses a
-        bucket boundary, not per step."""
+        """Change the slot count to `num_slots`, moving slot `old` to `new` for each (old, new) in `moves`
+        (increasing in both: the batch compacts its live requests in order); every other slot of the
+        result is empty. O(cache) moves in the arena: done only when the batch crosses a bucket boundary,
+        not per step."""
+        pairs = sorted(moves.items())
         lens = np.zeros(num_slots, np.int64)
-        shape = (num_slots, self.num_kv_heads, self.capacity, self.head_dim)
-        for layer in range(self.num_layers):
-            keys, values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-            for old, new in moves.items():
-                n = int(self.lens[old])
-                keys[new, :, :n] = self.keys[layer][old, :, :n]
-                values[new, :, :n] = self.values[layer][old, :, :n]
-            self.keys[layer], self.values[layer] = keys, values
-        for old, new in moves.items():
-            lens[new] = self.lens[old]
-        self.lens, self.num_slots = lens, num_slots
+        for o, n in pairs:
+            lens[n] = self.lens[o]
+        self._relayout(num_slots, self.capacity, [(o, n, int(self.lens[o])) for o, n in pairs])
+        self.lens = lens
 
     def feed(self, key_name: str, value_name: str, slot: int | None = None, width: int = 0) -> dict[str, np.ndarray]:
         """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed, after growing
