@@ -1,8 +1,10 @@
+import gc
+
 import numpy as np
 import pytest
 
 from dspark_export.exporter.quantize import KEY_CHUNK, aligned
-from dspark_export.runtime.kv_cache import KVCache
+from dspark_export.runtime.kv_cache import KVArenaPool, KVCache
 
 
 def _rows(n, layers=2, heads=2, dim=3, offset=0.0):
@@ -198,10 +200,8 @@ def test_layout_changes_in_the_arena_equal_fresh_copies():
             assert cache.keys[layer].flags.c_contiguous and cache.values[layer].flags.c_contiguous
 
 
-def test_a_dead_cache_hands_its_arena_to_the_next_one():
-    import gc
-    from dspark_export.runtime.kv_cache import KVArenaPool
-    pool = KVArenaPool(keep=1)
+def test_a_dead_cache_hands_its_arena_to_the_next_one_of_its_shape():
+    pool = KVArenaPool()
     cache = KVCache(2, 4, 2, 3, max_capacity=4096, initial_capacity=128)
     assert cache.arena_bytes == 2 * 2 * 4 * 2 * 128 * 3 * 4          # no pool: exactly the first layout
     cache = KVCache(2, 4, 2, 3, max_capacity=4096, initial_capacity=128, pool=pool)
@@ -212,6 +212,30 @@ def test_a_dead_cache_hands_its_arena_to_the_next_one():
     del cache
     gc.collect()
     assert pool.held_bytes == arena.nbytes
+    other = KVCache(1, 1, 2, 3, max_capacity=4096, initial_capacity=128, pool=pool)   # another shape: a new one
+    assert not np.shares_memory(other.keys[0], arena) and pool.held_bytes == arena.nbytes
     again = KVCache(2, 1, 2, 3, max_capacity=4096, initial_capacity=128, pool=pool)
     assert pool.held_bytes == 0 and np.shares_memory(again.keys[1], arena)
     assert not again.keys[1].any() and again.keys[1].shape == (1, 2, 128, 3)
+
+
+def test_a_cache_dying_inside_a_pool_call_does_not_deadlock():
+    """A finalizer may run inside a garbage collection that a pool call's own allocation started, on the same
+    thread: giving back must not wait on the pool's lock."""
+    import threading
+    pool = KVArenaPool()
+    cache = KVCache(1, 1, 1, 2, max_capacity=256, pool=pool)
+    cache.self_ref = cache                                # a cycle: freed only by the collector
+    del cache
+    collector = threading.Thread(target=gc.collect, daemon=True)   # runs the finalizer
+    with pool._lock:                                      # as if `take` were sorting when the collection runs
+        collector.start()
+        collector.join(timeout=10)
+        assert not collector.is_alive(), "giving an arena back waited on the pool's lock"
+    assert pool.held_bytes > 0
+
+
+def test_remap_refuses_moves_out_of_order():
+    cache = KVCache(1, 2, 1, 2, max_capacity=256)
+    with pytest.raises(ValueError, match="must increase in both slots"):
+        cache.remap(2, {0: 1, 1: 0})

@@ -14,11 +14,13 @@ change of layout (growth, `shrink`, `remap`) moves the entries inside it instead
 writing fresh pages costs about 40x writing pages already touched on these VMs (first touch
 ~190 MB/s; reports/serve/kv-arena), and at 16 slots one layout is ~0.5 GB. The arena only grows, so a
 cache holds the most it ever laid out; a `KVArenaPool` (one per EngineSet) hands a dead cache's arena to
-the next one (a new Generator on the same engines).
+the next one of its shape (a new Generator on the same engines). So a layer view is valid while its cache
+lives: one kept past the cache's death reads whatever the arena's next cache writes.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 
@@ -30,32 +32,46 @@ __all__ = ["KVCache", "KVArenaPool"]
 
 
 class KVArenaPool:
-    """Flat float32 arenas of dead caches, kept for the next caches (the largest `keep` of them).
+    """Flat float32 arenas of dead caches, kept for the next caches: one per cache shape (layers, kvH, D), the
+    largest given.
 
-    Thread-safe: a cache gives its arena back from a finalizer, which may run on any thread."""
+    A cache gives its arena back from a finalizer, which may run on any thread and inside a garbage collection
+    that another pool call's allocation started: `give` only puts it on a `queue.SimpleQueue` (reentrant, made
+    for finalizers), and `take` sorts the given arenas in under the lock."""
 
-    def __init__(self, keep: int = 2):
-        self.keep = keep
-        self._free: list[np.ndarray] = []
+    def __init__(self):
+        self._given: queue.SimpleQueue = queue.SimpleQueue()
+        self._free: dict[tuple, np.ndarray] = {}
         self._lock = threading.Lock()
 
-    def take(self) -> np.ndarray | None:
-        """The largest kept arena (removed from the pool), or None."""
+    def take(self, shape: tuple) -> np.ndarray | None:
+        """The kept arena of caches of `shape` (removed from the pool), or None."""
         with self._lock:
-            return self._free.pop(0) if self._free else None
+            self._sort_in()
+            return self._free.pop(shape, None)
 
-    def give(self, arena: np.ndarray) -> None:
-        with self._lock:
-            self._free = sorted(self._free + [arena], key=lambda a: -a.size)[:self.keep]
+    def give(self, shape: tuple, arena: np.ndarray) -> None:
+        self._given.put((shape, arena))
 
     @property
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(a.nbytes for a in self._free)
+            self._sort_in()
+            return sum(a.nbytes for a in self._free.values())
+
+    def _sort_in(self) -> None:
+        while True:
+            try:
+                shape, arena = self._given.get_nowait()
+            except queue.Empty:
+                return
+            kept = self._free.get(shape)
+            if kept is None or arena.size > kept.size:
+                self._free[shape] = arena
 
 
-def _give_back(pool: KVArenaPool, holder: list) -> None:
-    pool.give(holder[0])
+def _give_back(pool: KVArenaPool, shape: tuple, holder: list) -> None:
+    pool.give(shape, holder[0])
 
 
 class KVCache:
@@ -70,6 +86,7 @@ class KVCache:
             may be longer (rounded up, plus a pass's query width).
         initial_capacity (int): starting C (rounded up to KEY_CHUNK). Defaults to 256.
         pool (KVArenaPool | None): where the arena comes from and goes back to when the cache dies.
+    Raises (`remap`): ValueError for moves that do not increase in both slots.
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
@@ -81,10 +98,11 @@ class KVCache:
         self.capacity = 0
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
-        arena = pool.take() if pool is not None else None
+        shape = (num_layers, num_kv_heads, head_dim)
+        arena = pool.take(shape) if pool is not None else None
         self._holder = [arena if arena is not None else np.zeros(0, np.float32)]   # [arena], for the finalizer
         if pool is not None:
-            weakref.finalize(self, _give_back, pool, self._holder)
+            weakref.finalize(self, _give_back, pool, shape, self._holder)
         self._relayout(num_slots, self.initial_capacity, [])
 
     @property
@@ -111,7 +129,9 @@ class KVCache:
         needed = L2 * num_slots * H * capacity * D
         fresh = needed > old.size
         arena = np.zeros(max(needed, 2 * old.size), np.float32) if fresh else old
-        assert all(a[0] < b[0] and a[1] < b[1] for a, b in zip(moves, moves[1:])), moves
+        if not all(a[0] < b[0] and a[1] < b[1] for a, b in zip(moves, moves[1:])):
+            raise ValueError(f"KV cache relayout: moves (old slot, new slot, entries) must increase in both slots, "
+                             f"found {moves}")
         rows = [(((l * old_s + o) * H + h) * old_c * D, ((l * num_slots + n) * H + h) * capacity * D, e * D)
                 for l in range(L2) for o, n, e in moves if e for h in range(H)]
         if fresh:
