@@ -18,12 +18,12 @@ from .scheduler import mean_survival_capacity, survival_probs
 
 __all__ = ["DraftController", "SkipController"]
 
-_MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 4, 64  # dspark-async: skipped steps between drafter probes
+_MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 8, 64  # dspark-async: skipped steps between drafter probes
 _SURVIVAL_EMA = 0.25   # dspark-async skip decision: least weight of the newest drafted step in the mean
-_PROBE_STEPS = 2       # dspark-async: drafted steps per probe (the mean restarts from them)
+_PROBE_STEPS = 1       # dspark-async: drafted steps per probe (the mean restarts from them)
 _PROBE_REQUESTS = 2    # dspark-async: requests a probe step drafts for (the least recently drafted)
 _SKIP_MARGIN = 0.2     # dspark-async: draft only when the expected throughput gain is at least this fraction
-_PROBE_OVERHEAD = 0.05  # dspark-async: probes' drafter time, at most this fraction of the skipped steps' time
+_PROBE_OVERHEAD = 0.025  # dspark-async: probes' drafter time, at most this fraction of the skipped steps' time
 _FLOOR_CAP = 10**6     # the most skipped steps `probe_floor` asks for
 _OUTCOME_DECAY = 0.1   # dspark-async skip rule: weight older drafted steps lose per drafted step in `outcome_ratio`
 _OUTCOME_PRIOR = 2.0   # dspark-async skip rule: pseudo-tokens at ratio 1 in `outcome_ratio` (no history: 1)
@@ -154,15 +154,17 @@ class SkipController(DraftController):
     exactly `ar`'s work.
 
     Skipping gives no new confidences, so after `probe_interval` skipped steps the drafter runs for a
-    probe of _PROBE_STEPS = 2 steps (Algorithm 1 on fresh confidences, the lag history cleared) and the
-    mean restarts from them. A probe step drafts for `probe_width(R)` = min(R, 2) requests, the least
+    probe of _PROBE_STEPS = 1 step (Algorithm 1 on fresh confidences, the lag history cleared) and the
+    mean restarts from it. A probe step drafts for `probe_width(R)` = min(R, 2) requests, the least
     recently drafted (so successive probes sample every request), in a block of that many rows: at R = 16
     a probe costs d(2) and flushes two backlogs instead of d(16) and sixteen. Until the first drafted step,
     every step drafts for that many. Why: at R ≥ 4 on the CPU drafting rarely pays, and the probes (their
     blocks and the flushes they caused) were most of what dspark-async spent over `ar` there
-    (reports/serve/v10). The interval doubles after each probe that ends in another skip (4, 8, ..., 64
-    steps) and drops back to 4 when drafting pays again; it is never shorter than `probe_floor(R, S)`,
-    which keeps the probes' drafter time within 5 % of the skipped steps'. A skipped step runs no drafter
+    (reports/serve/v10). The interval doubles after each probe that ends in another skip (8, 16, 32, 64
+    steps) and drops back to 8 when drafting pays again; it is never shorter than `probe_floor(R, S)`,
+    which keeps the probes' drafter time within 2.5 % of the skipped steps'. Why one step from gaps of 8:
+    a drafter block also slows the target pass after it, so probes cost more than their blocks
+    (reports/runtime_split/s36). A skipped step runs no drafter
     block, and no drafter context unless a backlog reaches the largest context bucket: its committed rows
     wait in the request's backlog, which the next draft flushes first, so the drafter never works from a
     stale context (failure case SD-20). This is scheduling bookkeeping, not request state: a step retried

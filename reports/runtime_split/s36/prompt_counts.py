@@ -1,0 +1,34 @@
+"""Per prompt (dspark-async, single user): steps, drafted steps, verified drafts, accepted, skipped; wall vs ar."""
+import sys, time, numpy as np
+from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
+from dspark_export.runtime.api import Runtime
+from dspark_export.runtime.generator import Generator
+from dspark_export.runtime import generator as G
+from dspark_export.runtime.policies import parse_policy
+from dspark_export.runtime.request import SamplingParams
+from dspark_export.bench.peers import PeersBenchConfig
+eng = sys.argv[1]
+prompts = PeersBenchConfig(eng, datasets=("gsm8k", "humaneval", "mt-bench"), datasets_dir="/work/shared/eval_datasets", prompts_per_dataset=7).prompts
+sel = [int(x) for x in sys.argv[2].split(",")]
+rt = Runtime.open(eng, policy="ar", threads=2)
+ids = [rt.encode(q, True) for q in prompts]
+C = collections = {}
+orig = G.Generator._apply
+def _apply(self, rnd):
+    st = C.setdefault(id(self), dict(steps=0, drafted=0, rows=0, verified=0, accepted=0))
+    st["steps"] += 1
+    if rnd.drafted:
+        st["drafted"] += 1; st["rows"] += len(rnd.drafted)
+        st["verified"] += int(rnd.verify_lens.sum()); st["accepted"] += int(rnd.num_accepted.sum())
+    return orig(self, rnd)
+G.Generator._apply = _apply
+gens = {p: Generator(rt.engines, parse_policy(p)) for p in ("ar", "dspark-async")}
+for g in gens.values(): g.generate([ids[0]], [SamplingParams(max_new_tokens=8)])
+for i in sel:
+    w = {}
+    for rep in range(3):
+        for p, g in gens.items():
+            C.pop(id(g), None); t = time.perf_counter()
+            g.generate([ids[i]], [SamplingParams(max_new_tokens=128)]); w.setdefault(p, []).append(time.perf_counter() - t)
+    st = C[id(gens["dspark-async"])]
+    print(i, f"ar/dsp {np.median(w['ar'])/np.median(w['dspark-async']):.2f}", st)
