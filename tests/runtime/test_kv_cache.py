@@ -239,3 +239,9 @@ def test_remap_refuses_moves_out_of_order():
     cache = KVCache(1, 2, 1, 2, max_capacity=256)
     with pytest.raises(ValueError, match="must increase in both slots"):
         cache.remap(2, {0: 1, 1: 0})
+
+
+def test_remap_refuses_moves_outside_the_slots():
+    cache = KVCache(1, 2, 1, 2, max_capacity=256)
+    with pytest.raises(ValueError, match="must lie within 2 → 1 slots"):
+        cache.remap(1, {0: 0, 1: 1})

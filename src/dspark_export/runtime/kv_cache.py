@@ -126,12 +126,15 @@ class KVCache:
         Otherwise into a new arena of at least twice the size (untouched pages cost nothing until written)."""
         L2, H, D = 2 * self.num_layers, self.num_kv_heads, self.head_dim
         old, old_c, old_s = self._holder[0], self.capacity, self.num_slots
-        needed = L2 * num_slots * H * capacity * D
-        fresh = needed > old.size
-        arena = np.zeros(max(needed, 2 * old.size), np.float32) if fresh else old
         if not all(a[0] < b[0] and a[1] < b[1] for a, b in zip(moves, moves[1:])):
             raise ValueError(f"KV cache relayout: moves (old slot, new slot, entries) must increase in both slots, "
                              f"found {moves}")
+        if not all(0 <= o < old_s and 0 <= n < num_slots and 0 <= e <= min(old_c, capacity) for o, n, e in moves):
+            raise ValueError(f"KV cache relayout: moves (old slot, new slot, entries) must lie within {old_s} → "
+                             f"{num_slots} slots and min({old_c}, {capacity}) entries, found {moves}")
+        needed = L2 * num_slots * H * capacity * D
+        fresh = needed > old.size
+        arena = np.zeros(max(needed, 2 * old.size), np.float32) if fresh else old
         rows = [(((l * old_s + o) * H + h) * old_c * D, ((l * num_slots + n) * H + h) * capacity * D, e * D)
                 for l in range(L2) for o, n, e in moves if e for h in range(H)]
         if fresh:
