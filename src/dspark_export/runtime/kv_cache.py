@@ -239,12 +239,11 @@ class KVCache:
         (increasing in both: the batch compacts its live requests in order); every other slot of the
         result is empty. O(cache) moves in the arena: done only when the batch crosses a bucket boundary,
         not per step."""
-        pairs = sorted(moves.items())
-        lens = np.zeros(num_slots, np.int64)
-        for o, n in pairs:
-            lens[n] = self.lens[o]
-        self._relayout(num_slots, self.capacity, [(o, n, int(self.lens[o])) for o, n in pairs])
-        self.lens = lens
+        kept = [(o, n, int(self.lens[o]) if 0 <= o < self.num_slots else 0) for o, n in sorted(moves.items())]
+        self._relayout(num_slots, self.capacity, kept)     # checks the moves first
+        self.lens = np.zeros(num_slots, np.int64)
+        for _, n, e in kept:
+            self.lens[n] = e
 
     def feed(self, key_name: str, value_name: str, slot: int | None = None, width: int = 0) -> dict[str, np.ndarray]:
         """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed, after growing
