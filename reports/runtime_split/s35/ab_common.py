@@ -15,21 +15,28 @@ import numpy as np
 from dspark_export.engines.ort.runner import use_shared_thread_pool
 
 
-def run(variants: dict[str, Callable | None]) -> None:
-    """`variants`: {name: setup(generator) or None} for dspark-async systems beside `ar` (setup changes the
-    system's Generator, e.g. its controller's methods, before the first prompt)."""
+def peer_prompt_ids(engine_dir: str, indices: list[int] | None = None):
+    """(a Runtime on `engine_dir` with 2 threads on the shared ORT pool, the chat-templated token ids of the 21
+    peer prompts, or of those at `indices`, in the order given)."""
     use_shared_thread_pool(2)
     from dspark_export.bench.peers import PeersBenchConfig
     from dspark_export.runtime.api import Runtime
+
+    prompts = PeersBenchConfig(engine_dir, datasets=("gsm8k", "humaneval", "mt-bench"),
+                               datasets_dir="/work/shared/eval_datasets", prompts_per_dataset=7).prompts
+    rt = Runtime.open(engine_dir, policy="ar", threads=2)
+    return rt, [rt.encode(prompts[i], True) for i in (range(len(prompts)) if indices is None else indices)]
+
+
+def run(variants: dict[str, Callable | None]) -> None:
+    """`variants`: {name: setup(generator) or None} for dspark-async systems beside `ar` (setup changes the
+    system's Generator, e.g. its controller's methods, before the first prompt)."""
+    engine_dir, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    rt, ids = peer_prompt_ids(engine_dir)
     from dspark_export.runtime.generator import Generator
     from dspark_export.runtime.policies import parse_policy
     from dspark_export.runtime.request import SamplingParams
 
-    engine_dir, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    prompts = PeersBenchConfig(engine_dir, datasets=("gsm8k", "humaneval", "mt-bench"),
-                               datasets_dir="/work/shared/eval_datasets", prompts_per_dataset=7).prompts
-    rt = Runtime.open(engine_dir, policy="ar", threads=2)
-    ids = [rt.encode(q, True) for q in prompts]
     gens = {"ar": Generator(rt.engines, parse_policy("ar"))}
     for name, setup in variants.items():
         gens[name] = Generator(rt.engines, parse_policy("dspark-async"))

@@ -1,32 +1,19 @@
 """C = 8: 32 requests (gsm8k, humaneval, mt-bench first turns), 8 admitted at a time, 64 new tokens; per policy the
 wall time and the time per step in each part (ms, summed / steps)."""
-import sys, time, collections
+import sys, time
 from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
 from dspark_export.runtime.api import Runtime
 from dspark_export.runtime.generator import Generator
-from dspark_export.runtime import stages as ST, generator as G, draft_control as DC
+from dspark_export.runtime import stages as ST, generator as G
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 from dspark_export.bench.peers import PeersBenchConfig
-T = collections.defaultdict(float); N = collections.Counter()
-def wrap(cls, name):
-    orig = getattr(cls, name); key = f"{cls.__name__}.{name}"
-    def f(*a, **k):
-        t = time.perf_counter()
-        try: return orig(*a, **k)
-        finally: T[key] += time.perf_counter() - t; N[key] += 1
-    setattr(cls, name, f)
+from split_timing import T, N, wrap, wrap_infer
 for cls, name in [(ST.EngineStages, "flush_context"), (ST.EngineStages, "propose"), (G.Generator, "_schedule"),
                   (ST.EngineStages, "target_pass"), (ST.EngineStages, "verify"), (ST.EngineStages, "commit_rows"),
                   (G.Generator, "_apply"), (G.Generator, "speculative_step"), (G.Generator, "step")]:
     wrap(cls, name)
-orig_infer = ST.EngineStages.infer
-def infer(self, runner, feed):
-    t = time.perf_counter()
-    try: return orig_infer(self, runner, feed)
-    finally:
-        k = "infer." + runner.key.graph; T[k] += time.perf_counter() - t; N[k] += 1
-ST.EngineStages.infer = infer
+wrap_infer()
 eng = sys.argv[1]; C = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 rt = Runtime.open(eng, policy="ar", threads=2)
 prompts = PeersBenchConfig(eng, datasets=("gsm8k", "humaneval", "mt-bench"), datasets_dir="/work/shared/eval_datasets",

@@ -3,7 +3,7 @@ prompts of the peer set (128 new tokens), one Generator per policy, two rounds.
 
     python reports/runtime_split/s35/host_split.py ENGINE_DIR
 """
-import sys, time, collections
+import sys
 from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
 from dspark_export.runtime.api import Runtime
 from dspark_export.runtime.generator import Generator
@@ -11,14 +11,7 @@ from dspark_export.runtime import stages as ST, generator as G, draft_control as
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 from dspark_export.bench.peers import PeersBenchConfig
-T = collections.defaultdict(float); N = collections.Counter()
-def wrap(cls, name, key=None):
-    orig = getattr(cls, name); key = key or f"{cls.__name__}.{name}"
-    def f(*a, **k):
-        t = time.perf_counter()
-        try: return orig(*a, **k)
-        finally: T[key] += time.perf_counter() - t; N[key] += 1
-    setattr(cls, name, f)
+from split_timing import T, N, wrap
 for cls, name in [(DC.SkipController, "draft_count"), (DC.DraftController, "draft_count"), (G.Generator, "_step_profile"),
                   (ST.EngineStages, "flush_context"), (G.Generator, "_schedule"), (ST.EngineStages, "target_pass"),
                   (ST.EngineStages, "infer"), (ST.EngineStages, "verify"), (ST.EngineStages, "commit_rows"), (G.Generator, "_apply"),

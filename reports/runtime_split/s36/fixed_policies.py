@@ -1,14 +1,22 @@
-import sys, time, numpy as np
-from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
-from dspark_export.runtime.api import Runtime
-from dspark_export.runtime.generator import Generator
-from dspark_export.runtime.policies import parse_policy
-from dspark_export.runtime.request import SamplingParams
-from dspark_export.bench.peers import PeersBenchConfig
-eng = sys.argv[1]; sel = [int(x) for x in sys.argv[2].split(",")]; pols = sys.argv[3].split(",")
-prompts = PeersBenchConfig(eng, datasets=("gsm8k", "humaneval", "mt-bench"), datasets_dir="/work/shared/eval_datasets", prompts_per_dataset=7).prompts
-rt = Runtime.open(eng, policy="ar", threads=2)
-ids = [rt.encode(prompts[i], True) for i in sel]
+"""Single user, chosen peer prompts (argv 2, indices), policies (argv 3): ar wall over each policy's wall per round
+(2 rounds, policies interleaved per prompt) and accepted / verified drafts in the first round.
+
+    python reports/runtime_split/s36/fixed_policies.py ENGINE_DIR 7,8,9 ar,fixed:1,dspark-async
+"""
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "s35"))
+from ab_common import peer_prompt_ids  # noqa: E402  (s35's peer prompts on the shared ORT pool)
+from dspark_export.runtime.generator import Generator  # noqa: E402
+from dspark_export.runtime.policies import parse_policy  # noqa: E402
+from dspark_export.runtime.request import SamplingParams  # noqa: E402
+
+sel, pols = [int(x) for x in sys.argv[2].split(",")], sys.argv[3].split(",")
+rt, ids = peer_prompt_ids(sys.argv[1], sel)
 gens = {p: Generator(rt.engines, parse_policy(p)) for p in pols}
 for g in gens.values(): g.generate([ids[0]], [SamplingParams(max_new_tokens=8)])
 W = {p: np.zeros((2, len(ids))) for p in pols}; acc = {p: [0, 0] for p in pols}

@@ -1,18 +1,20 @@
 """Per prompt (dspark-async, single user): steps, drafted steps, verified drafts, accepted, skipped; wall vs ar."""
-import sys, time, numpy as np
-from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
-from dspark_export.runtime.api import Runtime
-from dspark_export.runtime.generator import Generator
-from dspark_export.runtime import generator as G
-from dspark_export.runtime.policies import parse_policy
-from dspark_export.runtime.request import SamplingParams
-from dspark_export.bench.peers import PeersBenchConfig
-eng = sys.argv[1]
-prompts = PeersBenchConfig(eng, datasets=("gsm8k", "humaneval", "mt-bench"), datasets_dir="/work/shared/eval_datasets", prompts_per_dataset=7).prompts
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "s35"))
+from ab_common import peer_prompt_ids  # noqa: E402  (s35's peer prompts on the shared ORT pool)
+from dspark_export.runtime import generator as G  # noqa: E402
+from dspark_export.runtime.generator import Generator  # noqa: E402
+from dspark_export.runtime.policies import parse_policy  # noqa: E402
+from dspark_export.runtime.request import SamplingParams  # noqa: E402
+
 sel = [int(x) for x in sys.argv[2].split(",")]
-rt = Runtime.open(eng, policy="ar", threads=2)
-ids = [rt.encode(q, True) for q in prompts]
-C = collections = {}
+rt, ids = peer_prompt_ids(sys.argv[1])
+C = {}    # per Generator: the step counts of its last request
 orig = G.Generator._apply
 def _apply(self, rnd):
     st = C.setdefault(id(self), dict(steps=0, drafted=0, rows=0, verified=0, accepted=0))

@@ -1,16 +1,19 @@
 """Single user: mean target N1 session time per call under ar and dspark-async (interleaved prompts, 3 rounds)."""
-import sys, time, collections, numpy as np
-from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
-from dspark_export.runtime.api import Runtime
-from dspark_export.runtime.generator import Generator
-from dspark_export.runtime import stages as ST
-from dspark_export.runtime.policies import parse_policy
-from dspark_export.runtime.request import SamplingParams
-from dspark_export.bench.peers import PeersBenchConfig
-eng = sys.argv[1]; sel = [int(x) for x in sys.argv[2].split(",")]
-prompts = PeersBenchConfig(eng, datasets=("gsm8k", "humaneval", "mt-bench"), datasets_dir="/work/shared/eval_datasets", prompts_per_dataset=7).prompts
-rt = Runtime.open(eng, policy="ar", threads=2)
-ids = [rt.encode(prompts[i], True) for i in sel]
+import collections
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "s35"))
+from ab_common import peer_prompt_ids  # noqa: E402  (s35's peer prompts on the shared ORT pool)
+from dspark_export.runtime import stages as ST  # noqa: E402
+from dspark_export.runtime.generator import Generator  # noqa: E402
+from dspark_export.runtime.policies import parse_policy  # noqa: E402
+from dspark_export.runtime.request import SamplingParams  # noqa: E402
+
+rt, ids = peer_prompt_ids(sys.argv[1], [int(x) for x in sys.argv[2].split(",")])
 cur = ["ar"]; T = collections.defaultdict(list); prev = [None]
 orig = ST.EngineStages.infer
 def infer(self, runner, feed):
