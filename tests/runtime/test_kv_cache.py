@@ -33,6 +33,38 @@ def test_append_selected_rows_and_growth_keeps_contents():
     np.testing.assert_array_equal(cache.keys[0][0, :, 2:5], k[0][:3].transpose(1, 0, 2))
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_append_equals_an_entry_by_entry_reference(seed):
+    """Random steps (one slot or several, all rows or chosen ones, growth in between) against a plain
+    per-entry write: every layer's keys and values land at lens[slot] onward, in order."""
+    rng = np.random.default_rng(seed)
+    L, S, H, D = 3, 4, 2, 5
+    cache = KVCache(L, S, H, D, max_capacity=4096, initial_capacity=2)
+    ref_k = [[[] for _ in range(S)] for _ in range(L)]
+    ref_v = [[[] for _ in range(S)] for _ in range(L)]
+    for _ in range(12):
+        n = int(rng.integers(1, 9))
+        slots = np.sort(rng.integers(0, S, n)) if rng.random() < 0.5 else np.full(n, int(rng.integers(S)))
+        big = n + int(rng.integers(0, 3))
+        k = [rng.standard_normal((big, H, D)).astype(np.float32) for _ in range(L)]
+        v = [rng.standard_normal((big, H, D)).astype(np.float32) for _ in range(L)]
+        rows = np.sort(rng.choice(big, n, replace=False)) if big > n else None
+        cache.append(slots, k, v, rows=rows)
+        pick = np.arange(n) if rows is None else rows
+        for i, slot in enumerate(slots):
+            for layer in range(L):
+                ref_k[layer][slot].append(k[layer][pick[i]])
+                ref_v[layer][slot].append(v[layer][pick[i]])
+    for slot in range(S):
+        assert cache.lens[slot] == len(ref_k[0][slot])
+        for layer in range(L):
+            if ref_k[layer][slot]:
+                got_k = cache.keys[layer][slot, :, :cache.lens[slot]].transpose(1, 0, 2)
+                got_v = cache.values[layer][slot, :, :cache.lens[slot]].transpose(1, 0, 2)
+                np.testing.assert_array_equal(got_k, np.stack(ref_k[layer][slot]))
+                np.testing.assert_array_equal(got_v, np.stack(ref_v[layer][slot]))
+
+
 def test_capacity_limit():
     cache = KVCache(1, 1, 1, 1, max_capacity=4, initial_capacity=2)
     k, v = _rows(5, layers=1, heads=1, dim=1)

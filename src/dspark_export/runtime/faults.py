@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import EngineRunError
 from .batch import RequestState
+from .kv_cache import new_kv_names
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,10 @@ def check_drafts(drafts: dict, decoding: list[RequestState], vocab_size: int, en
 def check_target(packed, out: dict, segments: list, num_layers: int, engine: str) -> dict[int, str]:
     """Slots whose target rows (logits, aux_hidden, new K/V) hold NaN/Inf → reason. A row is finite iff its
     sum is (a NaN or ±Inf term makes the sum non-finite); a row's features and every layer's K/V are summed
-    as one row (one reduction per pass, not one per output: this check runs on every step). `engine` names
-    the pass where `packed` has none."""
-    n = out["aux_hidden"].shape[0]
-    rows = [out["aux_hidden"]] + [out[f"new_{kind}.{layer}"].reshape(n, -1)
-                                  for layer in range(num_layers) for kind in ("key", "value")]
-    row_ok = np.isfinite(np.concatenate(rows, axis=1).sum(axis=1))
+    together (the K/V stacked into one [2L, n, kvH, D] array: a few numpy calls per pass, not one per output,
+    since this check runs on every step). `engine` names the pass where `packed` has none."""
+    kv = np.stack([out[name] for name in new_kv_names(num_layers)])                  # [2L, n, kvH, D]
+    row_ok = np.isfinite(out["aux_hidden"].sum(axis=1) + kv.sum(axis=(0, 2, 3)))
     logit_ok = np.isfinite(out["logits"].sum(axis=1))
     failed = {}
     for seg in segments:

@@ -20,6 +20,7 @@ lives: one kept past the cache's death reads whatever the arena's next cache wri
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import weakref
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..exporter.quantize import aligned
 
-__all__ = ["KVCache", "KVArenaPool"]
+__all__ = ["KVCache", "KVArenaPool", "new_kv_names"]
 
 
 class KVArenaPool:
@@ -68,6 +69,18 @@ class KVArenaPool:
             kept = self._free.get(shape)
             if kept is None or arena.size > kept.size:
                 self._free[shape] = arena
+
+
+@functools.cache
+def new_kv_names(num_layers: int) -> tuple[str, ...]:
+    """The target's new K/V output names (`append`'s source), every layer's key then value."""
+    return tuple(f"new_{kind}.{layer}" for layer in range(num_layers) for kind in ("key", "value"))
+
+
+@functools.cache
+def _feed_names(key_name: str, value_name: str, num_layers: int) -> tuple[str, ...]:
+    """Feed names f"{key_name}.{l}", f"{value_name}.{l}" for every layer, in that order."""
+    return tuple(f"{name}.{layer}" for layer in range(num_layers) for name in (key_name, value_name))
 
 
 def _give_back(pool: KVArenaPool, shape: tuple, holder: list) -> None:
@@ -152,9 +165,9 @@ class KVCache:
             for n in range(num_slots):             # zero what no move wrote
                 view[:, n, :, kept[n]:] = 0.0
         self._holder[0] = arena
-        view = arena[:needed].reshape(2, self.num_layers, num_slots, H, capacity, D)
-        self.keys = [view[0, l] for l in range(self.num_layers)]
-        self.values = [view[1, l] for l in range(self.num_layers)]
+        self._view = arena[:needed].reshape(2, self.num_layers, num_slots, H, capacity, D)
+        self.keys = [self._view[0, l] for l in range(self.num_layers)]
+        self.values = [self._view[1, l] for l in range(self.num_layers)]
         self.capacity, self.num_slots = capacity, num_slots
 
     def reserve(self, needed: int) -> None:
@@ -210,25 +223,25 @@ class KVCache:
         if slots.size == 0:
             return np.zeros(self.num_slots, np.int64)
         counts = np.bincount(slots, minlength=self.num_slots)
+        # every layer's keys, then values, as one [2, L, N, kvH, D] array, written in one assignment (not 2L: a
+        # step's host time is mostly numpy call overhead)
+        new = np.stack(list(new_keys) + list(new_values))
+        new = new.reshape((2, self.num_layers) + new.shape[1:])
+        if rows is not None:
+            new = new[:, :, rows]
         if counts[slots[0]] == slots.size:   # one slot (a single user's step): a plain slice, no fancy indexing
             first = int(self.lens[slots[0]])
             end = first + slots.size
-            where, axes = (int(slots[0]), slice(None), slice(first, end)), (1, 0, 2)   # [kvH, n, D]
+            self.reserve(end)
+            self._view[:, :, int(slots[0]), :, first:end] = new.transpose(0, 1, 3, 2, 4)   # [2, L, kvH, n, D]
         else:   # entry i of slot s goes to lens[s] + (its rank among slot s's entries)
             order = np.argsort(slots, kind="stable")
             rank = np.empty_like(slots)
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
             rank[order] = np.arange(slots.size) - np.repeat(starts, counts)
             positions = self.lens[slots] + rank
-            end = int(positions.max()) + 1
-            where, axes = (slots, slice(None), positions), (0, 1, 2)                  # [n, kvH, D]
-        self.reserve(end)
-        for layer in range(self.num_layers):
-            k, v = new_keys[layer], new_values[layer]
-            if rows is not None:
-                k, v = k[rows], v[rows]
-            self.keys[layer][where] = k.transpose(axes)
-            self.values[layer][where] = v.transpose(axes)
+            self.reserve(int(positions.max()) + 1)
+            self._view[:, :, slots, :, positions] = new.transpose(2, 0, 1, 3, 4)            # [n, 2, L, kvH, D]
         return counts
 
     def reset(self, slot: int) -> None:
@@ -259,10 +272,8 @@ class KVCache:
             self._grow(needed)
             return self.gather(key_name, value_name, [slot], 1, needed)
         self._grow(int(self.lens.max(initial=0)) + width)
-        feed = {}
-        for layer in range(self.num_layers):
-            feed[f"{key_name}.{layer}"], feed[f"{value_name}.{layer}"] = self.keys[layer], self.values[layer]
-        return feed
+        names = _feed_names(key_name, value_name, self.num_layers)
+        return dict(zip(names, [a for pair in zip(self.keys, self.values) for a in pair]))
 
     def gather(self, key_name: str, value_name: str, slots: list[int], rows: int, entries: int) -> dict[str, np.ndarray]:
         """Like `feed`, over `slots` only: per layer [rows, kvH, P, D] copies, row i holding slot slots[i]'s first

@@ -22,6 +22,7 @@ from ..errors import EngineRunError
 from ..plugins.markov_draft.schema import scatter_draft_logits
 from . import faults
 from .batch import Batch, RequestState
+from .kv_cache import new_kv_names
 
 __all__ = ["EngineStages", "Round", "Commit"]
 
@@ -336,7 +337,8 @@ class EngineStages:
             rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in order])
         kv = self.batch.target_kv
         L = kv.num_layers
-        c = Commit(slots, [out[f"new_key.{i}"][rows] for i in range(L)], [out[f"new_value.{i}"][rows] for i in range(L)])
+        names = new_kv_names(L)
+        c = Commit(slots, [out[k][rows] for k in names[0::2]], [out[v][rows] for v in names[1::2]])
         if self.drafts:
             c.aux = out["aux_hidden"][rows]
             c.positions = kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
