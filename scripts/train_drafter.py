@@ -30,7 +30,7 @@ Usage:
         --limit 100000 --self-prompts 6000 --multi-turn 2000      # the whole split + self-written + turn 2
     python scripts/train_drafter.py features --run runs/smollm2 --engine /tmp/eng/default   # as the engines compute them
     python scripts/train_drafter.py features --run runs/smollm2 --engine /tmp/eng/default --workers 2  # 2 processes
-    python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500   # --draft-vocab 8192
+    python scripts/train_drafter.py train --run runs/smollm2 --name dspark --steps 1500   # --draft-vocab 4096
     python scripts/train_drafter.py train --run runs/smollm2 --name dspark-fullv --draft-vocab full --steps 1500
     python scripts/train_drafter.py train --run runs/smollm2 --name v2 --block-size 5 --layers 2 --markov-rank 32 \
         --init-from src/dspark_export/assets/drafters/smollm2-135m-instruct   # warm start from the shipped drafter
@@ -46,7 +46,7 @@ Usage:
     python scripts/train_drafter.py pack --run runs/smollm2 --out training-data/smollm2-135m-instruct
     python scripts/train_drafter.py unpack --run runs/smollm2 --from training-data/smollm2-135m-instruct
     python scripts/train_drafter.py calibrate --run runs/smollm2 \
-        --drafter src/dspark_export/assets/drafters/smollm2-135m-instruct --draft-vocab 8192   # recalibrate in place
+        --drafter src/dspark_export/assets/drafters/smollm2-135m-instruct --draft-vocab 4096   # recalibrate in place
 Exit codes: 0 done, 2 an error (one line on stderr), 130 interrupted.
 """
 
@@ -65,7 +65,7 @@ from dspark_export.errors import DsparkExportError
 
 #: `train --draft-vocab` default: the N of the shipped build (`pipeline.SHIPPED_DRAFTER_BUILD`), so the loss is over
 #: the distribution the exported block drafts from (training/objective.py, "Draft vocabulary").
-DEFAULT_TRAIN_DRAFT_VOCAB = 8192
+DEFAULT_TRAIN_DRAFT_VOCAB = 4096
 
 
 def _log(t0):

@@ -380,12 +380,13 @@ def _write_report(manifest: Manifest) -> None:
 
 #: what `build` does by default ("auto") with the drafter shipped for the embedded target; every other drafter
 #: drafts exactly (fp32 target with an imported one, full vocabulary, float32 layers and head) unless told.
-#: Chosen from measurements: the int4 target (reports/quant/quant.md); d2t of 8,192 tokens (offline τ equal to
-#: the full vocabulary's, reports/drafter/draft-vocab.md); w8a8 layers (the block costs 0.77 of int4 layers' at
+#: Chosen from measurements: the int4 target (reports/quant/quant.md); d2t of 4,096 tokens (acceptance equal to
+#: 8,192's within 0.008 on every dataset, the block 15-19 % cheaper, reports/drafter/draft-vocab-4096/; 8,192 had
+#: offline τ equal to the full vocabulary's, reports/drafter/draft-vocab.md); w8a8 layers (the block costs 0.77 of int4 layers' at
 #: R = 1 in CPU time, 0.72 / 0.49 at R = 4 / 16 in wall time; the same acceptance, reports/quant/w8a8/); the
 #: int8 head (a 4-bit one ran slower, reports/drafter/int4-head/). Like the int4 target, the quantized layers have no TensorRT import: the TensorRT
 #: backend takes `--weights fp32 --drafter-weights float32`.
-SHIPPED_DRAFTER_BUILD = {"weights": DEFAULT_WEIGHTS, "draft_vocab": 8192, "drafter_weights": "w8a8",
+SHIPPED_DRAFTER_BUILD = {"weights": DEFAULT_WEIGHTS, "draft_vocab": 4096, "drafter_weights": "w8a8",
                          "drafter_lm_head": "int8"}
 
 
