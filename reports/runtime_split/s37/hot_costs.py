@@ -1,23 +1,13 @@
 """Hot loops on captured feeds (drafter_context R = 1, drafter_block R = 1, target B = 2) and ORT's per-node cost on
 chains of 1 / 10 / 40 Add nodes: median µs per session.run.
 
-    python reports/runtime_split/s37/hot_costs.py
+    python reports/runtime_split/s37/hot_costs.py [ENGINE_DIR]   (default /tmp/eng/b)
 """
 import sys, time, numpy as np, onnx, onnxruntime as ort
 from onnx import helper, TensorProto
-from dspark_export.engines.ort.runner import use_shared_thread_pool, session_options; use_shared_thread_pool(2)
-from dspark_export.runtime.api import Runtime
-from dspark_export.runtime import stages as ST
-from dspark_export.runtime.request import SamplingParams
-rt = Runtime.open("/tmp/eng/b", policy="fixed:1", threads=2)
-cap = {}
-orig = ST.EngineStages.infer
-def infer(self, runner, feed):
-    k = (runner.key.graph, runner.key.bucket)
-    if k not in cap: cap[k] = (runner, {n: np.array(v) for n, v in feed.items()})
-    return orig(self, runner, feed)
-ST.EngineStages.infer = infer
-rt.generator.generate([rt.encode("Write a python function that reverses a list.", True)], [SamplingParams(max_new_tokens=24)])
+from capture import capture
+from dspark_export.engines.ort.runner import session_options
+cap = capture(sys.argv[1] if len(sys.argv) > 1 else "/tmp/eng/b")
 def hot(sess, feed, n=400):
     for _ in range(30): sess.run(None, feed)
     ts = []

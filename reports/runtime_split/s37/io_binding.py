@@ -1,22 +1,11 @@
 """Target B = 1 on a captured feed, µs per run: InferenceSession.run, its _sess.run, IO binding with ORT-allocated
 outputs and with preallocated ones (outputs checked equal).
 
-    python reports/runtime_split/s37/io_binding.py
+    python reports/runtime_split/s37/io_binding.py [ENGINE_DIR]   (default /tmp/eng/b)
 """
 import sys, time, numpy as np, onnxruntime as ort
-from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
-from dspark_export.runtime.api import Runtime
-from dspark_export.runtime import stages as ST
-from dspark_export.runtime.request import SamplingParams
-rt = Runtime.open("/tmp/eng/b", policy="ar", threads=2)
-cap = {}
-orig = ST.EngineStages.infer
-def infer(self, runner, feed):
-    k = (runner.key.graph, runner.key.bucket)
-    cap[k] = (runner, dict(feed))
-    return orig(self, runner, feed)
-ST.EngineStages.infer = infer
-rt.generator.generate([rt.encode("Write a python function that reverses a list.", True)], [SamplingParams(max_new_tokens=24)])
+from capture import capture
+cap = capture(sys.argv[1] if len(sys.argv) > 1 else "/tmp/eng/b", policy="ar")
 runner, feed = cap[("target", 1)]
 sess = runner.session
 outs = [o.name for o in sess.get_outputs()]

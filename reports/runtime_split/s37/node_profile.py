@@ -4,21 +4,10 @@ small nodes; read shares, not times).
     python reports/runtime_split/s37/node_profile.py ENGINE_DIR target,drafter_block
 """
 import sys, time, json, collections, numpy as np, onnxruntime as ort
-from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
-from dspark_export.runtime.api import Runtime
-from dspark_export.runtime import stages as ST
-from dspark_export.runtime.request import SamplingParams
+from capture import capture
 from dspark_export.plugins import cpu_ops
 eng = sys.argv[1]
-rt = Runtime.open(eng, policy="fixed:1", threads=2)
-cap = {}
-orig = ST.EngineStages.infer
-def infer(self, runner, feed):
-    k = (runner.key.graph, runner.key.bucket)
-    if k not in cap: cap[k] = (runner, {n: np.array(v) for n, v in feed.items()})
-    return orig(self, runner, feed)
-ST.EngineStages.infer = infer
-rt.generator.generate([rt.encode("Write a python function that reverses a list.", True)], [SamplingParams(max_new_tokens=24)])
+cap = capture(eng)
 print(sorted(cap))
 for key in [k for k in cap if k[0] in sys.argv[2].split(",")]:
     runner, feed = cap[key]
