@@ -1,5 +1,9 @@
 """In one process, per prompt: ar and dspark-async, each with the old (066d1cd) and new KVCache.write +
-faults.check_target, interleaved; tok/s per variant per round."""
+faults.check_target, interleaved; tok/s per variant per round. Runs at bb9c5a3 (check_target's signature changed
+after it).
+
+    python reports/runtime_split/s37/ab_kv_write.py ENGINE_DIR ROUNDS
+"""
 import sys, time, json, numpy as np
 from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_thread_pool(2)
 from dspark_export.runtime.api import Runtime

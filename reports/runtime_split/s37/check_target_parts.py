@@ -8,17 +8,18 @@ from dspark_export.engines.ort.runner import use_shared_thread_pool; use_shared_
 from dspark_export.runtime.api import Runtime
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime import faults as F, stages as ST
-from dspark_export.runtime.kv_cache import new_kv_names
+from dspark_export.runtime.kv_cache import layer_names
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
 from dspark_export.bench.peers import PeersBenchConfig
 T = collections.defaultdict(float); N = collections.Counter()
 orig = F.check_target
-def check(packed, out, segments, num_layers, engine):
+def check(packed, out, kv_stacked, segments, engine):
+    num_layers = kv_stacked.shape[0] // 2
     t0 = time.perf_counter(); l = out["logits"].sum(axis=1)
     t1 = time.perf_counter(); a = out["aux_hidden"].sum(axis=1)
-    t2 = time.perf_counter(); kv = np.stack([out[n] for n in new_kv_names(num_layers)]).sum(axis=(0, 2, 3))
-    t3 = time.perf_counter(); r = orig(packed, out, segments, num_layers, engine)
+    t2 = time.perf_counter(); kv = np.stack([out[n] for n in layer_names("new_key", num_layers) + layer_names("new_value", num_layers)]).sum(axis=(0, 2, 3))
+    t3 = time.perf_counter(); r = orig(packed, out, kv_stacked, segments, engine)
     t4 = time.perf_counter()
     T["logits sum"] += t1 - t0; T["aux sum"] += t2 - t1; T["kv stack+sum"] += t3 - t2; T["check_target again"] += t4 - t3; N["n"] += 1
     return r

@@ -18,7 +18,6 @@ import numpy as np
 
 from ..errors import EngineRunError
 from .batch import RequestState
-from .kv_cache import new_kv_names
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +73,12 @@ def check_drafts(drafts: dict, decoding: list[RequestState], vocab_size: int, en
                        f"or draft_ids) for this request" for slot in slots[~ok]}
 
 
-def check_target(packed, out: dict, segments: list, num_layers: int, engine: str) -> dict[int, str]:
+def check_target(packed, out: dict, kv: np.ndarray, segments: list, engine: str) -> dict[int, str]:
     """Slots whose target rows (logits, aux_hidden, new K/V) hold NaN/Inf → reason. A row is finite iff its
-    sum is (a NaN or ±Inf term makes the sum non-finite); a row's features and every layer's K/V are summed
-    together (the K/V stacked into one [2L, n, kvH, D] array: a few numpy calls per pass, not one per output,
-    since this check runs on every step). `engine` names the pass where `packed` has none."""
-    kv = np.stack([out[name] for name in new_kv_names(num_layers)])                  # [2L, n, kvH, D]
+    sum is (a NaN or ±Inf term makes the sum non-finite); a row's features and every layer's K/V (`kv`
+    [2L, n, kvH, D], the pass's K/V outputs as `EngineStages.target_pass` stacks them) are summed together: a
+    few numpy calls per pass, not one per output, since this check runs on every step. `engine` names the
+    pass where `packed` has none."""
     row_ok = np.isfinite(out["aux_hidden"].sum(axis=1) + kv.sum(axis=(0, 2, 3)))
     logit_ok = np.isfinite(out["logits"].sum(axis=1))
     failed = {}

@@ -301,7 +301,7 @@ class Generator:
         rnd.decoding = decoding
         if not segments:
             return rnd
-        packed, out = stages.target_pass(rnd, segments)
+        packed, out, new_kv = stages.target_pass(rnd, segments)
         # 3. accept a prefix of each request's drafts and draw the next token (the first one after a prefill)
         rnd.decoding, rnd.finishing = rnd.live(rnd.decoding), rnd.live(rnd.finishing)
         at = packed.logit_start
@@ -314,7 +314,7 @@ class Generator:
         keep.update({s.slot: int(rnd.num_accepted[s.slot]) + 1 for s in rnd.live(rnd.decoding)})
         keep = {slot: n for slot, n in keep.items() if slot not in rnd.failed}
         if keep:
-            rnd.commit = stages.commit_rows(packed, out, keep)
+            rnd.commit = stages.commit_rows(packed, out, new_kv, keep)
         return rnd
 
     def _schedule(self, rnd: Round, decoding: list[RequestState]) -> np.ndarray | None:
@@ -367,7 +367,7 @@ class Generator:
                 s.clear_backlog()
         if rnd.commit is not None:
             c = rnd.commit
-            self.batch.target_kv.append(c.slots, c.target_keys, c.target_values)
+            self.batch.target_kv.append_stacked(c.slots, c.target_kv)
             if c.aux is not None:   # a slot's rows are contiguous in the commit (`commit_rows`): views
                 slots, first, counts = np.unique(c.slots, return_index=True, return_counts=True)
                 at = dict(zip(slots.tolist(), zip(first.tolist(), counts.tolist())))

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..exporter.quantize import aligned
 
-__all__ = ["KVCache", "KVArenaPool", "new_kv_names"]
+__all__ = ["KVCache", "KVArenaPool", "layer_names"]
 
 
 class KVArenaPool:
@@ -72,15 +72,9 @@ class KVArenaPool:
 
 
 @functools.cache
-def new_kv_names(num_layers: int) -> tuple[str, ...]:
-    """The target's new K/V output names (`append`'s source), every layer's key then value."""
-    return tuple(f"new_{kind}.{layer}" for layer in range(num_layers) for kind in ("key", "value"))
-
-
-@functools.cache
-def _feed_names(key_name: str, value_name: str, num_layers: int) -> tuple[str, ...]:
-    """Feed names f"{key_name}.{l}", f"{value_name}.{l}" for every layer, in that order."""
-    return tuple(f"{name}.{layer}" for layer in range(num_layers) for name in (key_name, value_name))
+def layer_names(prefix: str, num_layers: int) -> tuple[str, ...]:
+    """Per-layer engine input/output names f"{prefix}.{l}", l = 0..L-1 (built once: a step uses them 2L times)."""
+    return tuple(f"{prefix}.{layer}" for layer in range(num_layers))
 
 
 def _give_back(pool: KVArenaPool, shape: tuple, holder: list) -> None:
@@ -214,19 +208,26 @@ class KVCache:
         """
         self.lens += self.write(slots, new_keys, new_values, rows)
 
+    def append_stacked(self, slots: np.ndarray, kv: np.ndarray) -> None:
+        """`append` from one array kv [2L, n, kvH, D]: every layer's keys, then every layer's values (the
+        target pass's outputs as `EngineStages.target_pass` stacks them once per step)."""
+        self.lens += self.write_stacked(slots, kv)
+
     def write(self, slots: np.ndarray, new_keys: list[np.ndarray], new_values: list[np.ndarray],
               rows: np.ndarray | None = None) -> np.ndarray:
         """Like `append`, but leave `lens` as it is: the entries sit past each slot's valid length, where
         every engine masks them, until the caller raises `lens` (a step that may still fail writes
         this way). Returns the entries written per slot, [S] int64."""
+        return self.write_stacked(slots, np.stack(list(new_keys) + list(new_values)), rows)
+
+    def write_stacked(self, slots: np.ndarray, kv: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """`write` from kv [2L, N, kvH, D] (as `append_stacked`), in one assignment rather than 2L: a step's
+        host time is mostly numpy call overhead."""
         slots = np.asarray(slots, np.int64)
         if slots.size == 0:
             return np.zeros(self.num_slots, np.int64)
         counts = np.bincount(slots, minlength=self.num_slots)
-        # every layer's keys, then values, as one [2, L, N, kvH, D] array, written in one assignment (not 2L: a
-        # step's host time is mostly numpy call overhead)
-        new = np.stack(list(new_keys) + list(new_values))
-        new = new.reshape((2, self.num_layers) + new.shape[1:])
+        new = kv.reshape((2, self.num_layers) + kv.shape[1:])                 # [2, L, N, kvH, D]
         if rows is not None:
             new = new[:, :, rows]
         if counts[slots[0]] == slots.size:   # one slot (a single user's step): a plain slice, no fancy indexing
@@ -272,8 +273,8 @@ class KVCache:
             self._grow(needed)
             return self.gather(key_name, value_name, [slot], 1, needed)
         self._grow(int(self.lens.max(initial=0)) + width)
-        names = _feed_names(key_name, value_name, self.num_layers)
-        return dict(zip(names, [a for pair in zip(self.keys, self.values) for a in pair]))
+        return dict(zip(layer_names(key_name, self.num_layers), self.keys)) | \
+            dict(zip(layer_names(value_name, self.num_layers), self.values))
 
     def gather(self, key_name: str, value_name: str, slots: list[int], rows: int, entries: int) -> dict[str, np.ndarray]:
         """Like `feed`, over `slots` only: per layer [rows, kvH, P, D] copies, row i holding slot slots[i]'s first

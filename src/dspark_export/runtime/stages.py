@@ -22,20 +22,19 @@ from ..errors import EngineRunError
 from ..plugins.markov_draft.schema import scatter_draft_logits
 from . import faults
 from .batch import Batch, RequestState
-from .kv_cache import new_kv_names
+from .kv_cache import layer_names
 
 __all__ = ["EngineStages", "Round", "Commit"]
 
 
 @dataclass
 class Commit:
-    """Rows one step commits: slot of each row [n] int64 (a slot's rows in position order), per layer the
-    target's new K/V [n, kvH, D], and for the drafter-context backlog the rows' tapped features aux [n, F]
-    float32 and positions [n] int64 (None when the policy never drafts)."""
+    """Rows one step commits: slot of each row [n] int64 (a slot's rows in position order), the target's new
+    K/V [2L, n, kvH, D] (every layer's keys, then values), and for the drafter-context backlog the rows' tapped
+    features aux [n, F] float32 and positions [n] int64 (None when the policy never drafts)."""
 
     slots: np.ndarray
-    target_keys: list[np.ndarray]
-    target_values: list[np.ndarray]
+    target_kv: np.ndarray
     aux: np.ndarray | None = None
     positions: np.ndarray | None = None
 
@@ -199,12 +198,16 @@ class EngineStages:
         return out
 
     # -- target ----------------------------------------------------------------------------------
-    def target_pass(self, rnd: Round, segments: list[Segment]) -> tuple[PackedBatch, dict[str, np.ndarray]]:
-        """Run the step's segments through the target (`split_passes`); slots with non-finite rows fail."""
+    def target_pass(self, rnd: Round, segments: list[Segment]
+                    ) -> tuple[PackedBatch, dict[str, np.ndarray], np.ndarray]:
+        """Run the step's segments through the target (`split_passes`); slots with non-finite rows fail. Also
+        returns the new K/V outputs stacked once, [2L, N, kvH, D] (every layer's keys, then values), which the
+        check and the commit both read."""
         packed, out = self.split_passes(segments)
-        rnd.failed.update(faults.check_target(packed, out, segments, self.batch.target_kv.num_layers,
-                                              self._engine("target")))
-        return packed, out
+        L = self.batch.target_kv.num_layers
+        kv = np.stack([out[name] for name in layer_names("new_key", L) + layer_names("new_value", L)])
+        rnd.failed.update(faults.check_target(packed, out, kv, segments, self._engine("target")))
+        return packed, out, kv
 
     def split_passes(self, segments: list[Segment]) -> tuple[PackedBatch, dict[str, np.ndarray]]:
         """Run the step's segments through the target; returns (where each slot's rows and logits landed,
@@ -324,8 +327,9 @@ class EngineStages:
             self._zeros = np.zeros((S, self.block_size, self.vocab_size), np.float32)
         return self._zeros
 
-    def commit_rows(self, packed: PackedBatch, out: dict, keep: dict[int, int]) -> Commit:
-        """The first keep[slot] rows of each slot's segment: their target K/V, and (when the policy drafts)
+    def commit_rows(self, packed: PackedBatch, out: dict, kv: np.ndarray, keep: dict[int, int]) -> Commit:
+        """The first keep[slot] rows of each slot's segment: their target K/V (rows of `kv`, `target_pass`'s
+        stacked [2L, N, kvH, D]), and (when the policy drafts)
         their tapped features and positions for the drafter-context backlog (features of committed rows
         only; DeepSpec spec §5.2 pitfall 2)."""
         order = sorted(keep.items())
@@ -335,13 +339,10 @@ class EngineStages:
             rows = slice(a, a + order[0][1])
         else:
             rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in order])
-        kv = self.batch.target_kv
-        L = kv.num_layers
-        names = new_kv_names(L)
-        c = Commit(slots, [out[k][rows] for k in names[0::2]], [out[v][rows] for v in names[1::2]])
+        c = Commit(slots, kv[:, rows])
         if self.drafts:
             c.aux = out["aux_hidden"][rows]
-            c.positions = kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
+            c.positions = self.batch.target_kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
         return c
 
 
