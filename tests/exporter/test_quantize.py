@@ -560,3 +560,46 @@ def test_int8_gemm_saturation_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
     assert not quantize.int8_gemm_saturates()
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert not quantize.int8_gemm_saturates()
+
+
+@pytest.mark.parametrize("policy", ["ar", "fixed:4", "dspark-async"])
+def test_prefill_beside_decode_rows_shares_one_pass_with_ragged_attention(quant_engine_dir, policy):
+    """Continuous batching on the quantized engines: a prompt admitted while another request decodes is
+    prefilled in the same target pass when the target's attention is `dspark.cpu::RaggedAttention` (it reads
+    each request's own rows and live entries, so nothing pads), and in a pass of its own over a trimmed slot
+    with the ONNX-op attention (`EngineStages.split_passes`). Either way every request's output equals its
+    solo `ar` run."""
+    from dspark_export.runtime.api import Runtime
+    from dspark_export.runtime.generator import Generator
+    from dspark_export.runtime.policies import parse_policy
+    from dspark_export.runtime.request import SamplingParams
+
+    _, engine_dir = quant_engine_dir
+    rt = Runtime.open(engine_dir, policy="ar")
+    ragged = rt.engines.ragged_attention("target")
+    assert ragged == ("matmulnbits" not in str(engine_dir))       # that build keeps the ONNX-op attention
+    prompts = [[40, 41], [100] * 11, list(range(3, 30)), [7, 3, 9, 200]]
+    solo = [_generate(rt, "ar", [p])[0].token_ids for p in prompts]
+    gen = Generator(rt.engines, parse_policy(policy), max_slots=2)
+    passes, real = [], gen.stages.infer
+
+    def infer(runner, feed):
+        if runner.key.graph == "target":
+            passes[-1].append(len(feed["cache_lens"]))
+        return real(runner, feed)
+
+    gen.stages.infer = infer
+    ids = [gen.submit(p, SamplingParams(max_new_tokens=24)) for p in prompts]
+    mixed = 0
+    while gen.has_work():
+        admitted = bool(gen.batch.waiting) or any(not s.decoding for s in gen.batch.active())
+        decoding = any(s.decoding for s in gen.batch.active())
+        passes.append([])
+        gen.step()
+        mixed += admitted and decoding
+    assert mixed >= 2
+    if ragged:
+        assert all(len(p) <= 1 for p in passes), passes          # every step: at most one pass, over every slot
+    else:
+        assert [2, 1] in passes, passes                          # a long chunk: shared pass + its own slot
+    assert [gen.result(i).token_ids for i in ids] == solo

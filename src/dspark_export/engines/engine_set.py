@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from ..errors import EngineDirError, ProfileError, RequestError
+from ..plugins import cpu_ops
 from .manifest import Manifest
 from .ort.runner import OrtRunner, SharedSession, WeightStore, uses_shared_session
 from .sps import profile_path, read_sps
@@ -145,6 +146,18 @@ class EngineSet:
         if latency and all(b in latency for b in buckets[i:]):
             return min(buckets[i:], key=lambda b: (latency[b], b))
         return buckets[i]
+
+    def ragged_attention(self, graph: str) -> bool:
+        """Whether `graph`'s attention is `dspark.cpu::RaggedAttention` (ONNX Runtime engines of a graph built
+        with `build --attention-kernel cpu`): it reads each request's live cache entries and its own packed rows
+        in place, so a pass costs nothing for query padding and needs no cache room past the longest slot. Why
+        the runtime asks: the ONNX-op attention pads every request's query to the longest ([R, Q]) and writes
+        new keys into the cache buffer, which `EngineStages.split_passes` and `KVCache.feed(width=...)` work
+        around; with this kernel those workarounds only cost (extra passes, cache growth)."""
+        if self.backend != "onnxruntime" or not self._buckets.get(graph):
+            return False
+        runner = self._runners[(graph, self._buckets[graph][0])]
+        return cpu_ops.RAGGED_ATTENTION in self.weights.cpu_op_types(runner.graph_path)
 
     def runner(self, graph: str, size: int) -> OrtRunner:
         return self._runners[(graph, self.bucket_for(graph, size))]

@@ -261,8 +261,9 @@ class KVCache:
 
     def feed(self, key_name: str, value_name: str, slot: int | None = None, width: int = 0) -> dict[str, np.ndarray]:
         """{f"{key_name}.{l}": keys [S,kvH,C,D], f"{value_name}.{l}": values} for an engine feed, after growing
-        C to hold `width` entries (the pass's padded query width Q) past the longest slot: the exact
-        attention's contract max_r lens[r] + Q ≤ C (it scatters new keys at lens[r] + j).
+        C to hold `width` entries (the pass's padded query width Q) past the longest slot: the ONNX exact
+        attention's contract max_r lens[r] + Q ≤ C (it scatters new keys at lens[r] + j); a RaggedAttention
+        target reads its new keys from the pass and feeds width 0.
 
         With `slot`, that slot's first P = aligned(lens[slot] + width) entries only, as [1,kvH,P,D]
         contiguous copies: the engines attend over every entry of the buffer (masking those ≥ lens), so a

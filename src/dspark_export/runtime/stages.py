@@ -85,6 +85,7 @@ class EngineStages:
         self.sts, self.confidence_bias = sts, confidence_bias
         self.drafter, self.generator = drafter, generator
         self.max_tokens = engines.buckets("target")[-1]
+        self.ragged_target = engines.ragged_attention("target")   # one pass per step, no query-width cache room
         self.last_key: dict[str, str] = {}   # graph -> path of the engine last called (for messages)
         self._zeros: np.ndarray | None = None
         vocab = engines.manifest.data.get("draft_vocab")
@@ -213,7 +214,11 @@ class EngineStages:
         """Run the step's segments through the target; returns (where each slot's rows and logits landed,
         the outputs), as one packed pass would.
 
-        When at most max(1, S // 4) segments are longer than a verification block (prefill chunks), each of
+        With a ragged attention kernel (`EngineSet.ragged_attention`) every segment shares one pass: the
+        kernel reads each request's own rows and live cache entries, so a prefill chunk beside decode rows
+        costs its rows only, and a second pass would read the weights again (reports/runtime_split/s38).
+
+        Otherwise, when at most max(1, S // 4) segments are longer than a verification block (prefill chunks), each of
         them runs in a pass of its own over its slot alone and the rest share one pass. That slot's cache is
         trimmed to its valid entries plus the chunk, rounded up to KEY_CHUNK (`KVCache.feed(slot=...)`, a copy
         of one slot), because attention runs over every entry of the buffer. Why split: the graph's attention pads every
@@ -227,7 +232,7 @@ class EngineStages:
         for seg in segments:
             kv.reserve(int(kv.lens[seg.slot]) + len(seg.token_ids))
         long = [len(seg.token_ids) > self.block_size + 1 for seg in segments]
-        split = sum(long) <= max(1, self.batch.num_slots // 4)
+        split = not self.ragged_target and sum(long) <= max(1, self.batch.num_slots // 4)
         alone = [seg for seg, is_long in zip(segments, long) if split and is_long]
         shared = [seg for seg, is_long in zip(segments, long) if not (split and is_long)]
         passes = [self.target_run(shared, None)] if shared else []
@@ -255,7 +260,8 @@ class EngineStages:
         if slot is None:
             packed = pack_segments(segments, self.batch.num_slots, kv.lens, runner.padded_rows(rows))
             packed.engines = {seg.slot: str(runner.key.path) for seg in segments}
-            width = packed.feed["pad_index"].shape[1]
+            # the ONNX-op attention writes new keys into the buffer at lens + j: room for the padded query width
+            width = 0 if self.ragged_target else packed.feed["pad_index"].shape[1]
             return packed, self.infer(runner, {**packed.feed, **kv.feed("past_key", "past_value", width=width)})
         seg = segments[0]
         packed = pack_segments([Segment(0, seg.token_ids, seg.start_position, seg.logits)], 1,

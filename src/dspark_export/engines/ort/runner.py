@@ -60,7 +60,7 @@ class WeightStore:
         self._values: dict[str, ort.OrtValue] = {}
         self._arrays: dict[str, np.ndarray] = {}  # keeps the memory maps alive
         self._by_graph: dict[Path, list[str]] = {}
-        self._cpu_ops: dict[Path, bool] = {}   # graphs that use dspark.cpu ops (need its library)
+        self._cpu_ops: dict[Path, frozenset[str]] = {}   # the dspark.cpu ops each graph uses (they need its library)
 
     def names_for(self, graph_path: Path) -> list[str]:
         graph_path = Path(graph_path).resolve()
@@ -69,6 +69,10 @@ class WeightStore:
         return self._by_graph[graph_path]
 
     def uses_cpu_ops(self, graph_path: Path) -> bool:
+        return bool(self.cpu_op_types(graph_path))
+
+    def cpu_op_types(self, graph_path: Path) -> frozenset[str]:
+        """The dspark.cpu op types the graph uses (`plugins.cpu_ops.cpu_op_types`), read once per graph."""
         self.names_for(graph_path)
         return self._cpu_ops[Path(graph_path).resolve()]
 
@@ -77,7 +81,7 @@ class WeightStore:
             model = onnx.load(str(graph_path), load_external_data=False)
         except Exception as e:  # onnx raises DecodeError/OSError/... for a damaged file
             raise EngineDirError(f"{graph_path}: not a readable ONNX model ({type(e).__name__}: {e})") from e
-        self._cpu_ops[graph_path] = cpu_ops.graph_uses_cpu_ops(model)
+        self._cpu_ops[graph_path] = cpu_ops.cpu_op_types(model)
         names = []
         for init in model.graph.initializer:
             if not uses_external_data(init):

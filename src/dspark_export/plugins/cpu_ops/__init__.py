@@ -32,7 +32,7 @@ import onnx
 from ...errors import ConfigError, EngineDirError
 
 __all__ = ["DOMAIN", "RAGGED_ATTENTION", "manifest_key", "ragged_attention_fits", "SOURCES", "library_path", "library",
-           "register", "register_for", "graph_uses_cpu_ops", "rewrite_graph_file", "markov_draft_greedy",
+           "register", "register_for", "graph_uses_cpu_ops", "cpu_op_types", "rewrite_graph_file", "markov_draft_greedy",
            "ragged_attention"]
 
 DOMAIN = "dspark.cpu"
@@ -119,18 +119,26 @@ def register_for(so, graph: str | Path | onnx.ModelProto) -> None:
 def graph_uses_cpu_ops(graph: str | Path | onnx.ModelProto) -> bool:
     """Whether a graph has a dspark.cpu node: in its graph, its local functions or their subgraphs (a file is
     read without its external weights)."""
+    return bool(cpu_op_types(graph))
+
+
+def cpu_op_types(graph: str | Path | onnx.ModelProto) -> frozenset[str]:
+    """The dspark.cpu op types a graph uses (in its graph, its local functions or their subgraphs), e.g.
+    {RAGGED_ATTENTION, "MatMulW4A8"}; a file is read without its external weights."""
     model = graph if isinstance(graph, onnx.ModelProto) else onnx.load(str(graph), load_external_data=False)
-    return _has_cpu_node(model.graph.node) or any(_has_cpu_node(f.node) for f in model.functions)
+    found: set[str] = set()
+    for nodes in (model.graph.node, *(f.node for f in model.functions)):
+        _collect_cpu_ops(nodes, found)
+    return frozenset(found)
 
 
-def _has_cpu_node(nodes) -> bool:
+def _collect_cpu_ops(nodes, found: set[str]) -> None:
     for node in nodes:
         if node.domain == DOMAIN:
-            return True
+            found.add(node.op_type)
         for attr in node.attribute:
-            if any(_has_cpu_node(g.node) for g in (*([attr.g] if attr.HasField("g") else []), *attr.graphs)):
-                return True
-    return False
+            for g in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                _collect_cpu_ops(g.node, found)
 
 
 def rewrite_graph_file(path: Path, rewrite: Callable[[onnx.ModelProto], int]) -> int:
