@@ -368,13 +368,10 @@ class Generator:
         if rnd.commit is not None:
             c = rnd.commit
             self.batch.target_kv.append_stacked(c.slots, c.target_kv)
-            if c.aux is not None:   # a slot's rows are contiguous in the commit (`commit_rows`): views
-                slots, first, counts = np.unique(c.slots, return_index=True, return_counts=True)
-                at = dict(zip(slots.tolist(), zip(first.tolist(), counts.tolist())))
+            if c.backlog is not None:
                 for s in rnd.active:
-                    if s.slot in at:
-                        a, n = at[s.slot]
-                        s.add_backlog(c.aux[a:a + n], c.positions[a:a + n])
+                    if s.slot in c.backlog:
+                        s.add_backlog(*c.backlog[s.slot])
         drafts = rnd.drafts
         for s in rnd.decoding:
             if s.slot in rnd.failed:

@@ -30,13 +30,13 @@ __all__ = ["EngineStages", "Round", "Commit"]
 @dataclass
 class Commit:
     """Rows one step commits: slot of each row [n] int64 (a slot's rows in position order), the target's new
-    K/V [2L, n, kvH, D] (every layer's keys, then values), and for the drafter-context backlog the rows' tapped
-    features aux [n, F] float32 and positions [n] int64 (None when the policy never drafts)."""
+    K/V [2L, n, kvH, D] (every layer's keys, then values), and for the drafter-context backlog, per slot, its
+    rows' tapped features [n_s, F] float32 (a view into the pass's `aux_hidden`: no copy) and positions [n_s]
+    int64 (None when the policy never drafts)."""
 
     slots: np.ndarray
     target_kv: np.ndarray
-    aux: np.ndarray | None = None
-    positions: np.ndarray | None = None
+    backlog: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
 
 
 @dataclass
@@ -347,8 +347,9 @@ class EngineStages:
             rows = np.concatenate([packed.row_start[slot] + np.arange(n) for slot, n in order])
         c = Commit(slots, kv[:, rows])
         if self.drafts:
-            c.aux = out["aux_hidden"][rows]
-            c.positions = self.batch.target_kv.lens[slots] + np.concatenate([np.arange(n) for _, n in order])
+            lens, aux = self.batch.target_kv.lens, out["aux_hidden"]
+            c.backlog = {slot: (aux[packed.row_start[slot]:packed.row_start[slot] + n],
+                                np.arange(lens[slot], lens[slot] + n, dtype=np.int64)) for slot, n in order}
         return c
 
 
