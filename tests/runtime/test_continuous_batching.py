@@ -121,3 +121,32 @@ def test_a_lone_request_prefills_in_the_shared_pass(runtime):  # noqa: F811
     gen.generate([[60 + i % 50 for i in range(30)]], [SamplingParams(max_new_tokens=4)])
     assert shapes and set(shapes) == {1}                      # one slot: nothing to split, one pass per step
     assert len(shapes) == 4
+
+
+def test_slots_freed_at_a_step_end_wait_for_the_next_submission(runtime):  # noqa: F811
+    """Two of four requests finish in one step: their slots are freed at once, but the slot count shrinks only at
+    the next step and only if nothing was submitted in between (a server's next requests arrive between steps),
+    so a replaced request costs no cache remap (`Batch.release_finished`)."""
+    gen = Generator(runtime.engines, parse_policy("ar"), max_slots=4)
+    remaps = []
+    for kv in (gen.batch.target_kv, gen.batch.draft_kv):
+        real = kv.remap
+        kv.remap = lambda num_slots, moves, _real=real: (remaps.append(num_slots), _real(num_slots, moves))[1]
+    prompts = [MORE[i] for i in (0, 1, 2, 4)]                          # none stops early on the tiny model
+    ids = [gen.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, (3, 3, 12, 12))]
+    while not gen.result(ids[0]).finish_reason:
+        gen.step()
+    running = [i for i in ids if not gen.result(i).finish_reason]
+    assert gen.result(ids[1]).finish_reason and len(running) == 2 and gen.num_slots == 4
+    assert sum(s is not None for s in gen.batch.slots) == 2           # freed at the end of the step
+    remaps.clear()
+    late = gen.submit(MORE[6], SamplingParams(max_new_tokens=5))
+    gen.step()
+    assert remaps == [] and gen.num_slots == 4                         # the new request took a freed slot
+    while not gen.result(late).finish_reason:
+        gen.step()
+    gen.step()                                                          # nothing arrived: compact to 2 slots
+    assert gen.num_slots == 2 and remaps == [2, 2]
+    while gen.has_work():
+        gen.step()
+    assert gen.result(running[0]).token_ids == _solo(runtime, "ar", prompts[ids.index(running[0])], 12)

@@ -4,7 +4,8 @@ sampling arrays the engines read.
 Requests wait in a queue until a slot frees up (`admit`); the slot count follows the request-count
 buckets of the drafter block engine, growing and compacting at bucket boundaries (`resize`), so a lone
 request runs the R = 1 engines. A finished request's slot is released at the end of the step that
-finished it (`release_finished`), and the caches shrink to their longest live slot. Dimension letters:
+finished it (`release_finished`), and the caches shrink to their longest live slot (the slot count at the
+start of the next step, after the caller could submit more). Dimension letters:
 S slots, P KV capacity per slot.
 """
 
@@ -179,10 +180,15 @@ class Batch:
             with self.lock:
                 self.waiting = deque(s for s in self.waiting if not s.done)
 
-    def release_finished(self) -> None:
+    def release_finished(self, resize: bool = True) -> None:
         """Free the slots of finished requests; then shrink the caches' capacity to their longest live
-        slot (`KVCache.shrink`) and the slot count to the live requests' bucket (unless requests wait).
-        Capacity first, so a release that does both copies the caches at the smaller capacity."""
+        slot (`KVCache.shrink`) and, with `resize`, the slot count to the live requests' bucket (unless requests
+        wait). Capacity first, so a release that does both copies the caches at the smaller capacity.
+
+        The generator releases at the end of a step without `resize` and at the start of the next with it. Why: a
+        server submits the next requests between steps, so a slot count shrunk at the end of a step was often
+        grown back at the next admission, two O(cache) remaps for nothing (19 of 24 target-cache relayouts
+        in a C = 4 closed loop: reports/runtime_split/s38)."""
         released = False
         for i, s in enumerate(self.slots):
             if s is not None and s.done:
@@ -195,7 +201,7 @@ class Batch:
             self.target_kv.shrink()
             self.draft_kv.shrink()
         live = sum(s is not None for s in self.slots)
-        if self.slots and self.engines.bucket_for("drafter_block", max(1, live)) < len(self.slots) \
+        if resize and self.slots and self.engines.bucket_for("drafter_block", max(1, live)) < len(self.slots) \
                 and not self.waiting:
             self.resize(live)
 

@@ -210,7 +210,7 @@ class Generator:
             self.controller.restart()      # nothing it learnt was about these requests
         if active:
             faults.run_isolated(active, self.speculative_step, self._apply, self._fail)
-        self.batch.release_finished()
+        self.batch.release_finished(resize=False)   # the slot count shrinks at the next step, if nothing arrived
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  on_finish: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
