@@ -150,3 +150,20 @@ def test_slots_freed_at_a_step_end_wait_for_the_next_submission(runtime):  # noq
     while gen.has_work():
         gen.step()
     assert gen.result(running[0]).token_ids == _solo(runtime, "ar", prompts[ids.index(running[0])], 12)
+
+
+def test_a_backlog_pins_no_pass_for_a_few_rows(runtime):  # noqa: F811
+    """The drafter-context backlog keeps a prefill chunk's features as a view of its pass's `aux_hidden` (no copy)
+    but copies a decoding request's few rows, so a long-lived request does not keep every pass it shared alive
+    (`stages._backlog_rows`)."""
+    gen = Generator(runtime.engines, parse_policy("dspark-async"), max_slots=2)
+    gen.controller.draft_count = lambda R, S, p: 0          # no drafts: every committed row stays in the backlog
+    first = gen.submit(MORE[2], SamplingParams(max_new_tokens=20))
+    gen.step()
+    gen.step()
+    late = gen.submit(MORE[5], SamplingParams(max_new_tokens=5))   # a 30-token prompt beside the decoding one
+    gen.step()
+    decoding, prefilled = gen.batch.requests[first], gen.batch.requests[late]
+    assert decoding.backlog[-1][0].base is None                      # its own copy of its row
+    assert prefilled.backlog[-1][0].base is not None and len(prefilled.backlog[-1][0]) == len(MORE[5])
+    assert decoding.backlog_rows + int(gen.draft_kv.lens[decoding.slot]) == int(gen.target_kv.lens[decoding.slot])

@@ -8,7 +8,7 @@ largest size first (a relayout into fresh pages cost up to 0.4 s a run: first to
 
 Variants: ar | dspark-async, with suffixes: -split (the old `split_passes`: prefill chunks in passes of their
 own, query-width cache room), -never (dspark-async that never drafts), -nostage (no drafter-context backlog
-either), -eager (the slot count shrinks at the end of the step that freed the slots, not at the next step). Prints per round each variant's steady-window tokens / Σ step wall and its ratio to the first variant,
+either), -limitN (the drafter-context backlog flushed at N rows instead of the largest context bucket), -eager (the slot count shrinks at the end of the step that freed the slots, not at the next step). Prints per round each variant's steady-window tokens / Σ step wall and its ratio to the first variant,
 the mean step of decode-only and prefill steps, and the summary over rounds.
 """
 import gc
@@ -42,6 +42,8 @@ def make(name: str) -> Generator:
         g.stages.drafts = False
     if "-split" in name:
         g.stages.ragged_target = False
+    if "-limit" in name:
+        g.backlog_limit = int(name.split("-limit")[1].split("-")[0])
     if "-eager" in name:
         release = g.batch.release_finished
         g.batch.release_finished = lambda resize=True: release(True)

@@ -31,8 +31,8 @@ __all__ = ["EngineStages", "Round", "Commit"]
 class Commit:
     """Rows one step commits: slot of each row [n] int64 (a slot's rows in position order), the target's new
     K/V [2L, n, kvH, D] (every layer's keys, then values), and for the drafter-context backlog, per slot, its
-    rows' tapped features [n_s, F] float32 (a view into the pass's `aux_hidden`: no copy) and positions [n_s]
-    int64 (None when the policy never drafts)."""
+    rows' tapped features [n_s, F] float32 (a view into the pass's `aux_hidden` when they are most of it, else a
+    copy: `_backlog_rows`) and positions [n_s] int64 (None when the policy never drafts)."""
 
     slots: np.ndarray
     target_kv: np.ndarray
@@ -348,9 +348,18 @@ class EngineStages:
         c = Commit(slots, kv[:, rows])
         if self.drafts:
             lens, aux = self.batch.target_kv.lens, out["aux_hidden"]
-            c.backlog = {slot: (aux[packed.row_start[slot]:packed.row_start[slot] + n],
+            c.backlog = {slot: (_backlog_rows(aux, packed.row_start[slot], n),
                                 np.arange(lens[slot], lens[slot] + n, dtype=np.int64)) for slot, n in order}
         return c
+
+
+def _backlog_rows(aux: np.ndarray, start: int, n: int) -> np.ndarray:
+    """Rows start..start+n-1 of a pass's aux_hidden [N, F] for a backlog: a view when they are at least half of
+    the pass (a prefill chunk: no copy of a large block), else a copy, so a decoding request's backlog never
+    holds a whole pass alive for its few rows (at 16 slots, a step with a 256-row prefill beside it would pin
+    3 MB per step)."""
+    rows = aux[start:start + n]
+    return rows if 2 * n >= len(aux) else rows.copy()
 
 
 def greedy_verify(rows: dict[int, np.ndarray], draft_ids: np.ndarray, verify_lens: np.ndarray,
