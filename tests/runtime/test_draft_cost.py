@@ -149,12 +149,17 @@ def test_skipped_steps_pay_no_drafter_cost_and_drafts_see_the_full_context(runti
     np.testing.assert_allclose(lazy[2][0, :, :n], eager[2][0, :, :n], atol=1e-4)
 
 
-def test_the_backlog_is_bounded_by_the_largest_context_bucket(runtime):  # noqa: F811
-    """A prompt prefilled over two steps: once the backlog reaches the largest drafter_context bucket it
-    is flushed without a draft (before the request ever drafts), so held features stay bounded."""
+def test_the_backlog_is_bounded_by_its_limit(runtime):  # noqa: F811
+    """A prompt prefilled over two steps: once the backlog reaches `backlog_limit` (BACKLOG_CONTEXT_CALLS largest
+    drafter_context buckets; one bucket here, so the tiny engines' context can pass it) it is flushed without a
+    draft (before the request ever drafts), so held features stay bounded."""
+    from dspark_export.runtime.generator import BACKLOG_CONTEXT_CALLS
+
     gen = Generator(runtime.engines, parse_policy("dspark-async"))
     gen.profile = ThroughputProfile(**CPU_LIKE, draft_requests=(1, 4), draft_ms=(40.0, 40.0))
-    limit = gen.backlog_limit
+    bucket = gen.engines.buckets("drafter_context")[-1]
+    assert gen.backlog_limit == BACKLOG_CONTEXT_CALLS * bucket
+    gen.backlog_limit = limit = bucket
     prompt = (PROMPTS[0] * 20)[:gen.max_context - 21]
     assert len(prompt) > gen.max_tokens >= limit
     graphs = []

@@ -165,7 +165,7 @@ class SkipController(DraftController):
     which keeps the probes' drafter time within 2.5 % of the skipped steps'. Why one step from gaps of 8:
     a drafter block also slows the target pass after it, so probes cost more than their blocks
     (reports/runtime_split/s36). A skipped step runs no drafter
-    block, and no drafter context unless a backlog reaches the largest context bucket: its committed rows
+    block, and no drafter context unless a backlog reaches its limit (`Generator.backlog_limit`): its committed rows
     wait in the request's backlog, which the next draft flushes first, so the drafter never works from a
     stale context (failure case SD-20). This is scheduling bookkeeping, not request state: a step retried
     after an engine error may count a skip twice, which only moves the next probe earlier.

@@ -11,7 +11,7 @@ Requests are submitted at any time and admitted into KV slots. One step for the 
 4. commit: the target KV advances by accepted+1 rows (the anchor and the accepted drafts), and their
    tapped features join the request's drafter-context backlog; rejected rows are never written; the
    recovered/bonus token is the next anchor. The backlog runs through the drafter context engine just
-   before the request's next draft (or once it reaches the largest context bucket), so steps that
+   before the request's next draft (or once it fills BACKLOG_CONTEXT_CALLS largest context buckets), so steps that
    skip the drafter (`ar`-like rounds of dspark-async) pay no drafter cost at all;
 5. stop on EOS/stop ids, exactly max_new_tokens, or the engine's context capacity.
 
@@ -43,7 +43,9 @@ from .stages import EngineStages, Round
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Generator"]
+__all__ = ["Generator", "BACKLOG_CONTEXT_CALLS"]
+
+BACKLOG_CONTEXT_CALLS = 4   # a backlog is flushed without a draft at this many largest drafter_context buckets
 
 
 def _load_profile(engines: EngineSet) -> ThroughputProfile:
@@ -106,8 +108,11 @@ class Generator:
         self.stages = EngineStages(engines, self.batch, self.block_size, self.vocab_size, policy.drafts,
                                    np.asarray(rt.get("confidence_temperature") or [1.0] * self.block_size, np.float32),
                                    np.asarray(engines.manifest.confidence_bias, np.float64), drafter, self)
-        # a backlog this long is flushed even without a draft: one full context call, bounded memory
-        self.backlog_limit = engines.buckets("drafter_context")[-1]
+        # a backlog this long is flushed even without a draft, so held features stay bounded (11.5 KB a row for
+        # SmolLM2, a quarter of its target K/V). Why 4 context calls' worth, not 1: at C = 16 dspark-async drafts
+        # nothing, and flushing every backlog that reached 256 rows cost 0.6 % of ar's throughput for drafter
+        # context no draft read (reports/runtime_split/s38)
+        self.backlog_limit = BACKLOG_CONTEXT_CALLS * engines.buckets("drafter_context")[-1]
         self.draft_clock = 0   # drafted steps so far; RequestState.drafted_at is the last one that drafted for it
 
     @property
