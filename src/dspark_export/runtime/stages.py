@@ -106,7 +106,7 @@ class EngineStages:
     # -- drafter ---------------------------------------------------------------------------------
     def flush_context(self, rnd: Round, states: list[RequestState]) -> dict[int, int]:
         """Run the backlog of `states` through the drafter context engine and write the K/V rows into the
-        drafter cache PAST each slot's valid length (`KVCache.write`); `_apply` makes them valid. A failed
+        drafter cache PAST each slot's valid length (`KVCache.write_stacked`); `_apply` makes them valid. A failed
         step therefore leaves the cache as it was. Slots whose context rows come back non-finite fail.
 
         Returns:
@@ -122,7 +122,7 @@ class EngineStages:
         rnd.failed.update(faults.check_rows(slots, keys + values, self._engine("drafter_context")))
         good = ~np.isin(slots, np.array(sorted(rnd.failed), np.int64))
         draft_kv = self.batch.draft_kv
-        draft_kv.write(slots[good], [k[good] for k in keys], [v[good] for v in values])
+        draft_kv.write_stacked(slots[good], np.stack(keys + values), rows=np.flatnonzero(good))
         return {s.slot: int(draft_kv.lens[s.slot]) + s.backlog_rows for s in states if s.slot not in rnd.failed}
 
     def context_rows(self, aux: np.ndarray, positions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -231,8 +231,10 @@ class EngineStages:
         kv = self.batch.target_kv
         for seg in segments:
             kv.reserve(int(kv.lens[seg.slot]) + len(seg.token_ids))
+        if self.ragged_target:
+            return self.target_run(segments, None)
         long = [len(seg.token_ids) > self.block_size + 1 for seg in segments]
-        split = not self.ragged_target and sum(long) <= max(1, self.batch.num_slots // 4)
+        split = sum(long) <= max(1, self.batch.num_slots // 4)
         alone = [seg for seg, is_long in zip(segments, long) if split and is_long]
         shared = [seg for seg, is_long in zip(segments, long) if not (split and is_long)]
         passes = [self.target_run(shared, None)] if shared else []
