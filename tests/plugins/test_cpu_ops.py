@@ -190,6 +190,17 @@ def test_ragged_attention_matches_the_reference_on_both_paths(causal):
         np.testing.assert_array_equal(cpu_ops.ragged_attention(*inputs, 0.125, causal, portable=True), fast)
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 32), (4, 4, 48), (16, 2, 128), (6, 1, 80)])
+def test_ragged_attention_head_layouts_on_both_paths(heads, kv_heads, d):
+    """Head sizes other than 64 (column blocks of 1-3 vectors, queries not held in registers) and query groups of
+    1-8 heads (value rows shared by up to 4 row-heads at once), over requests with fewer and more than 16 keys."""
+    inputs = _attention_inputs(5, q_lens=(1, 7, 2, 20), lens=(3, 45, 0, 17), heads=heads, kv_heads=kv_heads, d=d,
+                               capacity=64)
+    fast = cpu_ops.ragged_attention(*inputs, 0.1)
+    np.testing.assert_allclose(fast, _attention_reference(*inputs, 0.1), rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(cpu_ops.ragged_attention(*inputs, 0.1, portable=True), fast)
+
+
 def test_ragged_attention_rows_equal_decode_rows_and_ignore_batch_mates():
     """Row j of a request's block equals, bit for bit, the one-row pass over a cache that holds the block's first j
     keys (a decode step after those tokens committed), at another capacity and without the batch mates."""

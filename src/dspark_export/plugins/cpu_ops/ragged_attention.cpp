@@ -141,32 +141,39 @@ struct Avx512 {
       g[i] = _mm512_add_ps(_mm512_shuffle_ps(f[2 * i], f[2 * i + 1], 0x44), _mm512_shuffle_ps(f[2 * i], f[2 * i + 1], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));  // l += l + 1
   }
-  AVX512 void scores(const Group& w, float scale, float* s) {
+  // 16 keys of one row: lane partials part[i] of key t + i over D (q in registers when D = 64, the common head
+  // size), reduced by tree16; the keys are read from L1 again for each of a task's rows
+  template <int D>
+  AVX512 void scores_d(const Group& w, float scale, float* s) {
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const __m512 vscale = _mm512_set1_ps(scale);
+    const int64_t d = D ? D : w.d;
     for (int64_t a = w.a0; a < w.a1; ++a) {
       const float* q = w.query(a);
+      __m512 qv[4];
+      if (D) for (int64_t c = 0; c < D / kLanes; ++c) qv[c] = _mm512_loadu_ps(q + c * kLanes);
       float* row = s + (a - w.a0) * w.keys;
       const int64_t live = w.live(a);
-      int64_t t = 0;
-      for (; t + kLanes <= live; t += kLanes) {
+      for (int64_t t = 0; t < live; t += kLanes) {
+        // 16 keys at once; past the last live key the block repeats it (readable memory) and its lanes are not
+        // stored: each key's lane sums only its own partials, so the padding changes no bit of the others
         __m512 part[kLanes];
-        for (int64_t i = 0; i < kLanes; ++i) {
-          const float* k = w.key(t + i);
-          part[i] = _mm512_setzero_ps();
-          for (int64_t c = 0; c < w.d; c += kLanes)
-            part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), part[i]);
+        const float* k[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i) k[i] = w.key(std::min(t + i, live - 1)), part[i] = _mm512_setzero_ps();
+        // each key's partials still add over c in increasing order; the keys interleave, so the fma chains overlap
+        for (int64_t c = 0; c < d; c += kLanes) {
+          const __m512 qc = D ? qv[c / kLanes] : _mm512_loadu_ps(q + c);
+          for (int64_t i = 0; i < kLanes; ++i) part[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[i] + c), part[i]);
         }
-        _mm512_storeu_ps(row + t, _mm512_mul_ps(_mm512_permutexvar_ps(order, tree16(part)), vscale));
-      }
-      for (; t < live; ++t) {
-        const float* k = w.key(t);
-        __m512 part = _mm512_setzero_ps();
-        for (int64_t c = 0; c < w.d; c += kLanes)
-          part = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), part);
-        row[t] = tree(part) * scale;
+        const __mmask16 m = live - t >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                                               : static_cast<__mmask16>((1u << (live - t)) - 1u);
+        _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_permutexvar_ps(order, tree16(part)), vscale));
       }
     }
+  }
+  AVX512 void scores(const Group& w, float scale, float* s) {
+    if (w.d == 64) scores_d<64>(w, scale, s);
+    else scores_d<0>(w, scale, s);
   }
   AVX512 inline __m512 exp16(__m512 x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.f), _CMP_GE_OQ);
@@ -179,9 +186,14 @@ struct Avx512 {
     return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(bits));
   }
   AVX512 float softmax_row(float* s, int64_t n) {
-    float top = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-    const __m512 vt = _mm512_set1_ps(top);
+    // max in 16 lanes: exact in any order (a ±0 tie gives exp(±0) = 1 either way)
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __mmask16 m = n - i >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + i));
+    }
+    const __m512 vt = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 part = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += kLanes) {
       const __mmask16 m = n - i >= kLanes ? static_cast<__mmask16>(0xFFFF)
@@ -192,21 +204,49 @@ struct Avx512 {
     }
     return tree(part);
   }
-  AVX512 void values(const Group& w, const float* e, float* acc) {
-    for (int64_t a = w.a0; a < w.a1; ++a) {
-      const int64_t live = w.live(a);
-      const float* ew = e + (a - w.a0) * w.keys;
-      for (int64_t c = 0; c < w.d; c += 4 * kLanes) {   // 4 vectors of the row's accumulator in registers
-        const int64_t width = std::min<int64_t>(4, (w.d - c) / kLanes);
-        __m512 r[4];
-        for (int64_t i = 0; i < width; ++i) r[i] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < live; ++t) {
-          const float* v = w.value(t) + c;
-          const __m512 ea = _mm512_set1_ps(ew[t]);
-          for (int64_t i = 0; i < width; ++i) r[i] = _mm512_fmadd_ps(ea, _mm512_loadu_ps(v + i * kLanes), r[i]);
-        }
-        for (int64_t i = 0; i < width; ++i) _mm512_storeu_ps(acc + (a - w.a0) * w.d + c + i * kLanes, r[i]);
+  // N row-heads of one row (the same live keys) side by side: each value row is loaded once for all of them, every
+  // accumulator still adds one fma a key in increasing t
+  template <int N>
+  AVX512 void values_n(const Group& w, const float* e, float* acc, int64_t a) {
+    const int64_t live = w.live(a);
+    const float* ew = e + (a - w.a0) * w.keys;
+    for (int64_t c = 0; c < w.d; c += 4 * kLanes) {
+      if (w.d - c >= 4 * kLanes) values_cols<N, 4>(w, ew, acc + (a - w.a0) * w.d + c, live, c);
+      else if (w.d - c >= 3 * kLanes) values_cols<N, 3>(w, ew, acc + (a - w.a0) * w.d + c, live, c);
+      else if (w.d - c >= 2 * kLanes) values_cols<N, 2>(w, ew, acc + (a - w.a0) * w.d + c, live, c);
+      else values_cols<N, 1>(w, ew, acc + (a - w.a0) * w.d + c, live, c);
+    }
+  }
+  // columns c .. c + 16·V of N row-heads; N and V compile-time, so the N·V accumulators stay in registers (with a
+  // runtime width they lived in memory, a store and a load around every fma)
+  template <int N, int V>
+  AVX512 void values_cols(const Group& w, const float* ew, float* out, int64_t live, int64_t c) {
+    __m512 r[N][V];
+    for (int n = 0; n < N; ++n)
+      for (int i = 0; i < V; ++i) r[n][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < live; ++t) {
+      const float* v = w.value(t) + c;
+      __m512 vv[V];
+      for (int i = 0; i < V; ++i) vv[i] = _mm512_loadu_ps(v + i * kLanes);
+      for (int n = 0; n < N; ++n) {
+        const __m512 ea = _mm512_set1_ps(ew[n * w.keys + t]);
+        for (int i = 0; i < V; ++i) r[n][i] = _mm512_fmadd_ps(ea, vv[i], r[n][i]);
       }
+    }
+    for (int n = 0; n < N; ++n)
+      for (int i = 0; i < V; ++i) _mm512_storeu_ps(out + n * w.d + i * kLanes, r[n][i]);
+  }
+  AVX512 void values(const Group& w, const float* e, float* acc) {
+    for (int64_t a = w.a0; a < w.a1;) {
+      // the row-heads from a to the end of its row (or of the task), at most 4 at once
+      const int64_t n = std::min<int64_t>({4, w.a1 - a, w.group - a % w.group});
+      switch (n) {
+        case 1: values_n<1>(w, e, acc, a); break;
+        case 2: values_n<2>(w, e, acc, a); break;
+        case 3: values_n<3>(w, e, acc, a); break;
+        default: values_n<4>(w, e, acc, a); break;
+      }
+      a += n;
     }
   }
 };
