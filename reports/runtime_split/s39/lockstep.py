@@ -80,9 +80,32 @@ def make(name: str) -> Generator:
     return g
 
 
+PARTS = {}   # env PARTS=1: (variant, step kind) -> {part: [seconds, calls]}
+
+
+def instrument(name, g, cur):
+    """Time the step's stages (env PARTS=1) into `cur`, which the loop files under the step's kind."""
+    def wrap(obj, attr):
+        f = getattr(obj, attr)
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                cur[attr] = cur.get(attr, 0.0) + time.perf_counter() - t
+        setattr(obj, attr, timed)
+    for attr in ("flush_context", "propose", "target_pass", "verify", "commit_rows"):
+        wrap(g.stages, attr)
+    for attr in ("_schedule", "_apply"):
+        wrap(g, attr)
+
+
 class Loop:
     def __init__(self, name):
         self.name, self.g = name, make(name)
+        self.cur = {}
+        if os.environ.get("PARTS"):
+            instrument(name, self.g, self.cur)
         for kv in (self.g.batch.target_kv, self.g.batch.draft_kv):
             need = 2 * kv.num_layers * C * kv.num_kv_heads * 1024 * kv.head_dim
             if kv._holder[0].size < need:
@@ -120,7 +143,16 @@ class Loop:
         dt = time.perf_counter() - t
         if self.steady and kind == "pre":
             left = sum(len(s.prompt) - s.prefilled for s in self.g.batch.active() if not s.decoding) + sum(len(s.prompt) for s in self.g.batch.waiting)
-            PRE.setdefault(self.name, []).append((pre_tok - left, ndec, dt, RL[0]))
+            nseg = sum(1 for s in self.g.batch.active() if not s.decoding) + len(self.g.batch.waiting)
+            PRE.setdefault(self.name, []).append((pre_tok - left, ndec, dt, RL[0], self.cur.get("target_pass", 0.0), nseg))
+        if self.steady and self.cur:
+            k2 = kind + ("+draft" if "propose" in self.cur else "")
+            d = PARTS.setdefault((self.name, k2), {})
+            for part, sec in list(self.cur.items()) + [("step", dt)]:
+                d.setdefault(part, [0.0, 0])
+                d[part][0] += sec
+                d[part][1] += 1
+        self.cur.clear()
         if self.steady:
             self.wall, self.steps = self.wall + dt, self.steps + 1
             self.kind[kind], self.kn[kind] = self.kind.get(kind, 0) + dt, self.kn.get(kind, 0) + 1
@@ -147,6 +179,26 @@ def _dump():
         A = np.array(L); print(n, "prefill steps", len(A), "tokens %.0f" % A[:,0].sum(), "time %.3f" % A[:,2].sum(), "relayout %.3f" % A[:,3].sum(), "decode rows %.0f" % A[:,1].sum(),
               "ms/token (minus relayout, 10 ms/step) %.3f" % ((A[:,2].sum() - A[:,3].sum() - 0.010 * len(A)) / A[:,0].sum() * 1e3))
 atexit.register(_dump)
+
+
+def _fit():
+    """target-pass ms of prefill steps ~ a + b·prompt tokens + c·decode rows, per variant (env PARTS=1)."""
+    for n, L in PRE.items():
+        A = np.array(L)
+        if A.shape[1] < 6 or not A[:, 4].any():
+            continue
+        X = np.column_stack([np.ones(len(A)), A[:, 0], A[:, 1]])
+        coef, *_ = np.linalg.lstsq(X, A[:, 4] * 1e3, rcond=None)
+        print(f"{n}: target pass of prefill steps = {coef[0]:.2f} ms + {coef[1]:.4f} ms/prompt token + "
+              f"{coef[2]:.3f} ms/decode row; tokens/step {A[:, 0].mean():.1f}, decode rows/step {A[:, 1].mean():.2f}")
+atexit.register(_fit)
+
+
+def _dump_parts():
+    for (n, kind), d in sorted(PARTS.items()):
+        steps = d["step"][1]
+        print(f"{n:28s} {kind:9s} {steps:5d} steps: " + " ".join(f"{p} {v[0] * 1e3 / steps:.2f}" for p, v in d.items()))
+atexit.register(_dump_parts)
 for r in range(rounds):
     gc.collect()
     for n in names:
