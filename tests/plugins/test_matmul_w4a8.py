@@ -168,3 +168,89 @@ def test_weights_fed_as_inputs_are_read_on_every_call():
         packed, scales = _weights(k, n, seed)
         [y] = session.run(None, {"x": x, "B": packed, "S": scales})
         np.testing.assert_array_equal(y, matmul_w4a8.matmul_w4a8_numpy(x, packed, scales))
+
+
+# -- swiglu: a SiLU-gated MLP's gate/up projection, Split, QuickGelu and Mul in one node ---------------------------
+
+def _swiglu_model(k: int, n: int, packed, scales, fused: bool) -> onnx.ModelProto:
+    """x → gate/up product [M, n] → silu(first half) · second half → [M, n/2]: one node, or the exporter's chain."""
+    half = n // 2
+    if fused:
+        nodes = [helper.make_node("MatMulW4A8", ["x", "B", "S"], ["y"], domain=matmul_w4a8.DOMAIN, swiglu=1)]
+    else:
+        nodes = [helper.make_node("MatMulW4A8", ["x", "B", "S"], ["gu"], domain=matmul_w4a8.DOMAIN),
+                 helper.make_node("Split", ["gu", "sizes"], ["g", "u"], axis=-1),
+                 helper.make_node("QuickGelu", ["g"], ["a"], domain="com.microsoft", alpha=1.0),
+                 helper.make_node("Mul", ["a", "u"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", half])],
+                              [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S"),
+                               numpy_helper.from_array(np.array([half, half], np.int64), "sizes")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1),
+                                                   helper.make_opsetid(matmul_w4a8.DOMAIN, 1)])
+
+
+def _silu_times(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) · u in float64, with the logistic as (1 + tanh(g/2)) / 2 (no overflow for large |g|)."""
+    return g * 0.5 * (1.0 + np.tanh(0.5 * g)) * u
+
+
+def test_swiglu_is_silu_of_the_gate_times_the_up_half():
+    """Against float64 silu over the op's own product, on both paths (the same bits), alone or packed, and in ONNX
+    Runtime; gates far past ±88 (exp clamped) stay finite."""
+    k, n = 576, 192
+    packed, scales = _weights(k, n, seed=9)
+    x = _rows(37, k, seed=10)
+    x[4] *= 1e3                                                      # |gate| in the thousands
+    product = matmul_w4a8.matmul_w4a8_numpy(x, packed, scales).astype(np.float64)
+    g, u = product[:, :n // 2], product[:, n // 2:]
+    fused = matmul_w4a8.matmul_w4a8_numpy(x, packed, scales, swiglu=True)
+    assert np.abs(g[4]).max() > 500 and np.isfinite(fused).all()
+    np.testing.assert_allclose(fused, _silu_times(g, u), rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(matmul_w4a8.matmul_w4a8_numpy(x, packed, scales, portable=True, swiglu=True), fused)
+    sess = _session(_swiglu_model(k, n, packed, scales, fused=True))
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], fused)
+    alone = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(len(x))])
+    np.testing.assert_array_equal(alone, fused)
+
+
+def test_fuse_swiglu_folds_the_chain_and_keeps_the_outputs():
+    """The exporter's chain becomes one node; its outputs agree with the chain's to float rounding (ONNX Runtime's
+    QuickGelu uses its own logistic approximation, a few 1e-6 off) and are no further from float64 silu."""
+    k, n = 128, 96
+    packed, scales = _weights(k, n, seed=11)
+    model = _swiglu_model(k, n, packed, scales, fused=False)
+    x = _rows(9, k, seed=12)
+    chain = _session(model).run(None, {"x": x})[0]
+    assert matmul_w4a8.fuse_swiglu(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["MatMulW4A8"]
+    assert matmul_w4a8.fuse_swiglu(model) == 0
+    fused = _session(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(fused, chain, rtol=1e-5, atol=5e-6)
+    np.testing.assert_array_equal(fused, matmul_w4a8.matmul_w4a8_numpy(x, packed, scales, swiglu=True))
+    product = matmul_w4a8.matmul_w4a8_numpy(x, packed, scales).astype(np.float64)
+    g, u = product[:, :n // 2], product[:, n // 2:]
+    exact = _silu_times(g, u)
+    assert np.abs(fused - exact).max() <= np.abs(chain - exact).max()   # no less accurate than QuickGelu's
+
+
+def test_fuse_swiglu_leaves_chains_it_cannot_fold():
+    """Another alpha, unequal halves, or an intermediate something else reads stay as they are."""
+    k, n = 64, 64
+    packed, scales = _weights(k, n, seed=13)
+    other_alpha = _swiglu_model(k, n, packed, scales, fused=False)
+    other_alpha.graph.node[2].attribute[0].f = 1.702
+    uneven = _swiglu_model(k, n, packed, scales, fused=False)
+    uneven.graph.initializer[2].CopyFrom(numpy_helper.from_array(np.array([16, 48], np.int64), "sizes"))
+    read_elsewhere = _swiglu_model(k, n, packed, scales, fused=False)
+    read_elsewhere.graph.output.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, ["M", n // 2]))
+    for model in (other_alpha, uneven, read_elsewhere):
+        assert matmul_w4a8.fuse_swiglu(model) == 0 and len(model.graph.node) == 4
+
+
+def test_swiglu_needs_two_whole_tile_halves():
+    packed, scales = _weights(64, 48)
+    with pytest.raises(Exception, match=r"swiglu: N must be a multiple of 32.*found 48"):
+        _session(_swiglu_model(64, 48, packed, scales, fused=True)).run(None, {"x": _rows(1, 64)})
+    with pytest.raises(ConfigError, match=r"packed \[N, K/32, 16\]"):
+        matmul_w4a8.matmul_w4a8_numpy(_rows(1, 64), packed, scales, swiglu=True)

@@ -40,7 +40,7 @@ RAGGED_ATTENTION = "RaggedAttention"   #: the attention op's name (ragged_attent
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("matmul_w4a8.cpp", "markov_draft_greedy.cpp", "ragged_attention.cpp",
                                           "register.cpp"))
-HEADERS = (_HERE / "ort_api.h",)
+HEADERS = (_HERE / "ort_api.h", _HERE / "exp_poly.h")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off"]
 _FALLBACK = ("set CXX, install g++, or build the engines with --int4-kernel matmulnbits --attention-kernel onnx "
              "--markov-draft-kernel onnx")

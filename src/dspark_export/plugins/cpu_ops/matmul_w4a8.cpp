@@ -16,6 +16,11 @@
 // weights are unpacked once per 16-column tile and block and reused for up to 8 rows (vpdpbusd, u8 weights
 // 0..15 × s8 activations), so a row costs the int8 dot products only.
 //
+// Attribute swiglu (int, default 0): with 1, the output is y[..., j] = silu(g_j) · u_j over the halves g = y[..., :N/2],
+// u = y[..., N/2:] of the product (a gate/up projection followed by QuickGelu(alpha 1) and Mul, in one node), shape
+// [..., N/2]. silu(g) = g · 1/(1 + e), e = exp(min(−g, 88)) by the same polynomial as RaggedAttention's, the same
+// operations in the vectorized and portable paths, so they agree bit for bit.
+//
 // ONNX Runtime's C API: ort_api.h; the op is registered with the others in register.cpp.
 
 #include <algorithm>
@@ -32,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "exp_poly.h"
 #include "ort_api.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -114,6 +120,10 @@ struct Problem {
   int64_t m, k, n;
   const Packed* w;
   float* y;
+  // output element (row, column) goes to y[(row − row0) · ldy + column − col0]: ldy = n for the whole [m, n] product,
+  // 16 for one tile's rows of a row group in the swiglu form
+  int64_t ldy = 0, row0 = 0, col0 = 0;
+  float* out(int64_t row, int64_t col) const { return y + (row - row0) * ldy + col - col0; }
 };
 
 // ---- the tile kernels: columns [16t, 16t+16) of every row ------------------------------------------------------
@@ -138,7 +148,7 @@ void tiles_portable(const Problem& p, int64_t t0, int64_t t1, int64_t r0, int64_
           const float scale = p.xs[m * nb + blk] * p.w->s[(t * nb + blk) * kTile + c];
           acc = std::fma(static_cast<float>(sum), scale, acc);
         }
-        p.y[m * p.n + t * kTile + c] = acc;
+        *p.out(m, t * kTile + c) = acc;
       }
 }
 
@@ -197,7 +207,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_rows_avx
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.y + (m0 + r) * p.n + col, acc[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.out(m0 + r, col), acc[r]);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512vnni(const Problem& p, int64_t t0,
@@ -222,7 +232,29 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512vnni(con
 }
 #endif
 
+// ---- the swiglu epilogue: out[j] = (g[j] · 1/(1 + e)) · u[j], e = exp(min(−g[j], 88)) ----------------------------
+// e = exp_poly(min(−g, 88)) (exp_poly.h): x ≤ 88 keeps 2^k finite.
+
+void silu_mul_portable(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = (g[j] * (1.f / (1.f + exp_poly(std::fmin(-g[j], 88.f))))) * u[j];
+}
+
+#ifdef W4A8_X86
+__attribute__((target("avx512f"))) void silu_mul_avx512(const float* g, const float* u, float* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t j = 0; j < n; j += kTile) {
+    const __mmask16 m = n - j >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 vg = _mm512_maskz_loadu_ps(m, g + j), vu = _mm512_maskz_loadu_ps(m, u + j);
+    const __m512 x = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), vg), _mm512_set1_ps(88.f));
+    const __m512 e = exp_poly16(x);
+    const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(out + j, m, _mm512_mul_ps(_mm512_mul_ps(vg, s), vu));
+  }
+}
+#endif
+
 using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
+using SiluMulFn = void (*)(const float*, const float*, float*, int64_t);
 using QuantizeFn = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
 
 bool use_avx512() {
@@ -237,14 +269,21 @@ bool use_avx512() {
 #ifdef W4A8_X86
 const TileFn g_tiles = use_avx512() ? tiles_avx512vnni : tiles_portable;
 const QuantizeFn g_quantize = use_avx512() ? quantize_rows_avx512 : quantize_rows_portable;
+const SiluMulFn g_silu_mul = use_avx512() ? silu_mul_avx512 : silu_mul_portable;
 #else
 const TileFn g_tiles = tiles_portable;
 const QuantizeFn g_quantize = quantize_rows_portable;
+const SiluMulFn g_silu_mul = silu_mul_portable;
 #endif
 
 struct Kernel {
-  explicit Kernel(const OrtKernelInfo* info) : weights(constant_input(info, 1) && constant_input(info, 2)) {}
+  explicit Kernel(const OrtKernelInfo* info) : weights(constant_input(info, 1) && constant_input(info, 2)) {
+    int64_t flag = 0;
+    if (Status st = attribute_int(info, "swiglu", flag)) api<void (*)(Status)>(kReleaseStatus)(st);  // default 0
+    swiglu = flag != 0;
+  }
   PackedWeights<Packed> weights;  // B and scales
+  bool swiglu = false;
 };
 
 // Work splits into tasks of (tile group × row group); each output element still belongs to one task, computed by
@@ -262,6 +301,27 @@ void run_tiles(void* data, size_t i) {
   const int64_t g = static_cast<int64_t>(i) % job->tile_groups, r = static_cast<int64_t>(i) / job->tile_groups;
   const int64_t t0 = g * job->tiles_per_task, r0 = r * kRowsPerTask;
   g_tiles(*job->p, t0, std::min(job->tiles, t0 + job->tiles_per_task), r0, std::min(job->p->m, r0 + kRowsPerTask));
+}
+
+// swiglu: a task's half-tiles t, each the gate tile t and the up tile t + tiles, into buffers of its row group, then
+// the epilogue into the [m, N/2] output
+void run_swiglu(void* data, size_t i) {
+  auto* job = static_cast<ParallelJob*>(data);
+  const Problem& p = *job->p;
+  const int64_t g = static_cast<int64_t>(i) % job->tile_groups, r = static_cast<int64_t>(i) / job->tile_groups;
+  const int64_t t0 = g * job->tiles_per_task, t1 = std::min(job->tiles, t0 + job->tiles_per_task);
+  const int64_t r0 = r * kRowsPerTask, r1 = std::min(p.m, r0 + kRowsPerTask);
+  float gate[kRowsPerTask * kTile], up[kRowsPerTask * kTile];
+  for (int64_t t = t0; t < t1; ++t) {
+    Problem q = p;
+    q.ldy = kTile, q.row0 = r0;
+    q.y = gate, q.col0 = t * kTile;
+    g_tiles(q, t, t + 1, r0, r1);
+    q.y = up, q.col0 = (t + job->tiles) * kTile;
+    g_tiles(q, t + job->tiles, t + job->tiles + 1, r0, r1);
+    for (int64_t m = r0; m < r1; ++m)
+      g_silu_mul(gate + (m - r0) * kTile, up + (m - r0) * kTile, p.y + m * (p.n / 2) + t * kTile, kTile);
+  }
 }
 
 void run_quantize(void* data, size_t i) {
@@ -296,8 +356,11 @@ Status compute(void* state, OrtKernelContext* ctx) {
                       (xd.empty() ? std::string("a scalar") : std::to_string(xd.back())));
   int64_t m = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) m *= xd[i];
+  if (kernel->swiglu && n % (2 * kTile) != 0)
+    return make_error("MatMulW4A8 with swiglu: N must be a multiple of 32 (two halves of whole 16-column tiles), "
+                      "found " + std::to_string(n));
   std::vector<int64_t> yd = xd;
-  yd.back() = n;
+  yd.back() = kernel->swiglu ? n / 2 : n;
   OrtValue* y = nullptr;
   DSPARK_TRY(output(ctx, 0, yd, y));
   const float *xp = nullptr, *sp = nullptr;
@@ -316,8 +379,8 @@ Status compute(void* state, OrtKernelContext* ctx) {
   xq.resize(static_cast<size_t>(m * k));
   xs.resize(static_cast<size_t>(m * nb));
   xsum.resize(static_cast<size_t>(m * nb));
-  Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), yp};
-  const int64_t tiles = n / kTile;
+  Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), yp, n};
+  const int64_t tiles = kernel->swiglu ? n / kTile / 2 : n / kTile;   // the tiles a task loop runs over
   // tile groups of at least ~32k multiply-adds per row, so small layers do not pay for scheduling
   const int64_t per_task = std::max<int64_t>(1, (32768 / (kTile * k)) + 1);
   const int64_t groups = (tiles + per_task - 1) / per_task, row_groups = (m + kRowsPerTask - 1) / kRowsPerTask;
@@ -326,7 +389,7 @@ Status compute(void* state, OrtKernelContext* ctx) {
     DSPARK_TRY(parallel_for(ctx, run_quantize, static_cast<size_t>(row_groups), &job));
   else
     run_quantize(&job, 0);
-  return parallel_for(ctx, run_tiles, static_cast<size_t>(groups * row_groups), &job);
+  return parallel_for(ctx, kernel->swiglu ? run_swiglu : run_tiles, static_cast<size_t>(groups * row_groups), &job);
 }
 
 struct Spec {
@@ -344,17 +407,22 @@ const CustomOp* matmul_w4a8_op() { return op_of<Spec, Kernel, compute>(); }
 extern "C" {
 
 // Direct entry points for tests and benchmarks (numpy through ctypes), same arithmetic as the op.
+// swiglu: y is [m, n/2], the epilogue over the whole [m, n] product
 __attribute__((visibility("default"))) void dspark_w4a8_matmul(const float* x, int64_t m, int64_t k, int64_t n,
                                                               const uint8_t* b, const float* scales, float* y,
-                                                              int portable) {
+                                                              int portable, int swiglu) {
   auto packed = pack(b, scales, n, k);
   const int64_t nb = k / kBlock;
   std::vector<int8_t> xq(static_cast<size_t>(m * k));
   std::vector<float> xs(static_cast<size_t>(m * nb));
   std::vector<int32_t> xsum(static_cast<size_t>(m * nb));
   (portable ? quantize_rows_portable : g_quantize)(x, 0, m, k, xq.data(), xs.data(), xsum.data());
-  Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), y};
+  std::vector<float> full(swiglu ? static_cast<size_t>(m * n) : 0);
+  Problem p{xq.data(), xs.data(), xsum.data(), m, k, n, packed.get(), swiglu ? full.data() : y, n};
   (portable ? tiles_portable : g_tiles)(p, 0, n / kTile, 0, m);
+  for (int64_t row = 0; swiglu && row < m; ++row)
+    (portable ? silu_mul_portable : g_silu_mul)(full.data() + row * n, full.data() + row * n + n / 2, y + row * (n / 2),
+                                                n / 2);
 }
 
 __attribute__((visibility("default"))) int dspark_w4a8_vectorized() { return g_tiles != tiles_portable; }

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "exp_poly.h"
 #include "ort_api.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -58,9 +59,7 @@ struct Problem {
 //        0 for x < −88 (x = s − max ≤ 0).
 //   total: 16 lane partials over t (t mod 16, increasing t), then the same tree.
 //   values: acc[a] = fma(e[a, t], V_t, acc[a]) over increasing t; out = acc / total.
-
-constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kPoly[7] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 0.5f, 1.f, 1.f};
+// (exp: exp_poly.h, shared with MatMulW4A8's swiglu.)
 
 struct Group {  // one (request, kv head)
   const float *pk, *pv;  // the cache rows of kv head g, [P, D]
@@ -93,17 +92,7 @@ struct Portable {
         s[(a - w.a0) * w.keys + t] = tree(part) * scale;
       }
   }
-  static float exp1(float x) {
-    if (x < -88.f) return 0.f;
-    const float k = std::nearbyint(x * kLog2e);
-    const float r = std::fma(k, -kLn2Lo, std::fma(k, -kLn2Hi, x));
-    float y = kPoly[0];
-    for (int i = 1; i < 7; ++i) y = std::fma(y, r, kPoly[i]);
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return y * scale;
-  }
+  static float exp1(float x) { return exp_poly(x); }
   static float softmax_row(float* s, int64_t n) {  // s -> e; returns the total
     float top = -INFINITY, part[kLanes] = {};
     for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
@@ -175,16 +164,7 @@ struct Avx512 {
     if (w.d == 64) scores_d<64>(w, scale, s);
     else scores_d<0>(w, scale, s);
   }
-  AVX512 inline __m512 exp16(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.f), _CMP_GE_OQ);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-kLn2Lo), _mm512_fmadd_ps(k, _mm512_set1_ps(-kLn2Hi), x));
-    __m512 y = _mm512_set1_ps(kPoly[0]);
-    for (int i = 1; i < 7; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kPoly[i]));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(bits));
-  }
+  AVX512 inline __m512 exp16(__m512 x) { return exp_poly16(x); }
   AVX512 float softmax_row(float* s, int64_t n) {
     // max in 16 lanes: exact in any order (a ±0 tie gives exp(±0) = 1 either way)
     __m512 vmax = _mm512_set1_ps(-INFINITY);

@@ -23,7 +23,7 @@ import onnx
 from ...errors import ConfigError
 from ..cpu_ops import DOMAIN, library
 
-__all__ = ["DOMAIN", "OP", "use_w4a8", "INT4_KERNELS", "matmul_w4a8_numpy", "vectorized"]
+__all__ = ["DOMAIN", "OP", "use_w4a8", "fuse_swiglu", "INT4_KERNELS", "matmul_w4a8_numpy", "vectorized"]
 
 OP = "MatMulW4A8"
 #: `build --int4-kernel`: which kernel runs the int4 linear layers (target and drafter)
@@ -52,11 +52,68 @@ def use_w4a8(model: onnx.ModelProto) -> int:
     return count
 
 
+def fuse_swiglu(model: onnx.ModelProto) -> int:
+    """Fold each MatMulW4A8 → Split (two equal halves, last axis) → QuickGelu(alpha 1) on the first half → Mul by
+    the second (a SiLU-gated MLP's gate/up projection) into the MatMulW4A8 node with ``swiglu=1``, in place;
+    returns how many. Why: the three elementwise nodes each read and write the [rows, N] product once more and
+    run a parallel section of their own (~3 µs a layer at one row, ~0.3 ms at 160 rows on 2 cores). Only a
+    chain whose intermediate outputs nothing else reads (graph outputs included) is folded."""
+    nodes = list(model.graph.node)
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    outputs = {o.name for o in model.graph.output}
+    inits = {t.name: t for t in model.graph.initializer}
+    consts = {n.output[0]: n for n in nodes if n.op_type == "Constant"}
+
+    def only(name: str) -> onnx.NodeProto | None:
+        users = consumers.get(name, [])
+        return users[0] if len(users) == 1 and name not in outputs else None
+
+    def split_sizes(node: onnx.NodeProto) -> list[int] | None:
+        if len(node.input) < 2:
+            return None
+        src = inits.get(node.input[1])
+        if src is not None:
+            return onnx.numpy_helper.to_array(src).tolist()
+        c = consts.get(node.input[1])
+        return onnx.numpy_helper.to_array(c.attribute[0].t).tolist() if c is not None else None
+
+    removed, count = set(), 0
+    for mm in nodes:
+        if mm.op_type != OP or mm.domain != DOMAIN or any(a.name == "swiglu" for a in mm.attribute):
+            continue
+        split = only(mm.output[0])
+        if split is None or split.op_type != "Split" or len(split.output) != 2:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in split.attribute}
+        sizes = split_sizes(split)
+        if attrs.get("axis", 0) != -1 or sizes is None or len(sizes) != 2 or sizes[0] != sizes[1] or sizes[0] % 16:
+            continue
+        act, mul = only(split.output[0]), only(split.output[1])
+        if act is None or act.op_type != "QuickGelu" or only(act.output[0]) is not mul or mul is None \
+                or mul.op_type != "Mul" or sorted(mul.input) != sorted([act.output[0], split.output[1]]):
+            continue
+        if {a.name: onnx.helper.get_attribute_value(a) for a in act.attribute}.get("alpha", 1.0) != 1.0:
+            continue
+        mm.output[0] = mul.output[0]
+        mm.attribute.append(onnx.helper.make_attribute("swiglu", 1))
+        removed.update(id(n) for n in (split, act, mul))
+        count += 1
+    if count:
+        kept = [n for n in model.graph.node if id(n) not in removed]
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+    return count
+
+
 @lru_cache(maxsize=None)
 def _lib() -> ctypes.CDLL:
     lib = library()
     p = ctypes.c_void_p
-    lib.dspark_w4a8_matmul.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, ctypes.c_int]
+    lib.dspark_w4a8_matmul.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, ctypes.c_int,
+                                       ctypes.c_int]
     lib.dspark_w4a8_matmul.restype = None
     lib.dspark_w4a8_vectorized.restype = ctypes.c_int
     return lib
@@ -67,17 +124,19 @@ def vectorized() -> bool:
     return bool(_lib().dspark_w4a8_vectorized())
 
 
-def matmul_w4a8_numpy(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, portable: bool = False) -> np.ndarray:
+def matmul_w4a8_numpy(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, portable: bool = False,
+                      swiglu: bool = False) -> np.ndarray:
     """The op on numpy arrays (tests, benchmarks): x [M, K] float32, packed [N, K/32, 16] uint8, scales
-    [N, K/32] float32 -> [M, N] float32."""
+    [N, K/32] float32 -> [M, N] float32, or with ``swiglu`` [M, N/2]: silu(first half) · second half."""
     x = np.ascontiguousarray(x, np.float32)
     packed = np.ascontiguousarray(packed, np.uint8)
     scales = np.ascontiguousarray(scales, np.float32)
     n, kb, blob = packed.shape
-    if blob != 16 or n % 16 or x.ndim != 2 or x.shape[1] != kb * 32 or scales.size != n * kb:
+    if blob != 16 or n % (32 if swiglu else 16) or x.ndim != 2 or x.shape[1] != kb * 32 or scales.size != n * kb:
         raise ConfigError(f"{OP}: expected x [M, K], packed [N, K/32, 16] with N % 16 == 0 and scales [N, K/32]; "
                           f"found x {x.shape}, packed {packed.shape}, scales {scales.shape}")
-    y = np.empty((x.shape[0], n), np.float32)
+    y = np.empty((x.shape[0], n // 2 if swiglu else n), np.float32)
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    _lib().dspark_w4a8_matmul(ptr(x), x.shape[0], kb * 32, n, ptr(packed), ptr(scales), ptr(y), int(portable))
+    _lib().dspark_w4a8_matmul(ptr(x), x.shape[0], kb * 32, n, ptr(packed), ptr(scales), ptr(y), int(portable),
+                              int(swiglu))
     return y
