@@ -449,11 +449,7 @@ def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str =
     v_files = export_verify(d_spec.block_size, graph_dir / "verify.onnx")
     block = next(f for f in d_files if f.name == "drafter_block.onnx")
     used = [cpu_ops.RAGGED_ATTENTION] if any(map(cpu_ops.graph_uses_cpu_ops, (t_files[0], block))) else []
-    def w4a8(model) -> int:   # the int4 nodes renamed, then their SiLU-gated MLP tails folded in
-        renamed = matmul_w4a8.use_w4a8(model)
-        return renamed + matmul_w4a8.fuse_swiglu(model) if renamed else 0
-
-    if int4_kernel == "w4a8" and sum(cpu_ops.rewrite_graph_file(path, w4a8)
+    if int4_kernel == "w4a8" and sum(cpu_ops.rewrite_graph_file(path, matmul_w4a8.to_w4a8)
                                      for path in (t_files[0], *(f for f in d_files if f.suffix == ".onnx"))):
         used.append(matmul_w4a8.OP)
     if markov_draft_kernel == "cpu" and cpu_ops.rewrite_graph_file(block, markov_draft_fn.use_cpu_greedy):

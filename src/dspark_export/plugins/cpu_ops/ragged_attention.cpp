@@ -92,11 +92,10 @@ struct Portable {
         s[(a - w.a0) * w.keys + t] = tree(part) * scale;
       }
   }
-  static float exp1(float x) { return exp_poly(x); }
   static float softmax_row(float* s, int64_t n) {  // s -> e; returns the total
     float top = -INFINITY, part[kLanes] = {};
     for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-    for (int64_t t = 0; t < n; ++t) part[t % kLanes] += (s[t] = exp1(s[t] - top));
+    for (int64_t t = 0; t < n; ++t) part[t % kLanes] += (s[t] = exp_poly(s[t] - top));
     return tree(part);
   }
   static void values(const Group& w, const float* e, float* acc) {
@@ -164,7 +163,6 @@ struct Avx512 {
     if (w.d == 64) scores_d<64>(w, scale, s);
     else scores_d<0>(w, scale, s);
   }
-  AVX512 inline __m512 exp16(__m512 x) { return exp_poly16(x); }
   AVX512 float softmax_row(float* s, int64_t n) {
     // max in 16 lanes: exact in any order (a ±0 tie gives exp(±0) = 1 either way)
     __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -178,7 +176,7 @@ struct Avx512 {
     for (int64_t i = 0; i < n; i += kLanes) {
       const __mmask16 m = n - i >= kLanes ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (n - i)) - 1u);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vt));
+      const __m512 e = exp_poly16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vt));
       _mm512_mask_storeu_ps(s + i, m, e);
       part = _mm512_mask_add_ps(part, m, part, e);
     }

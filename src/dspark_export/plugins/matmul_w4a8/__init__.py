@@ -23,7 +23,7 @@ import onnx
 from ...errors import ConfigError
 from ..cpu_ops import DOMAIN, library
 
-__all__ = ["DOMAIN", "OP", "use_w4a8", "fuse_swiglu", "INT4_KERNELS", "matmul_w4a8_numpy", "vectorized"]
+__all__ = ["DOMAIN", "OP", "use_w4a8", "fuse_swiglu", "to_w4a8", "INT4_KERNELS", "matmul_w4a8_numpy", "vectorized"]
 
 OP = "MatMulW4A8"
 #: `build --int4-kernel`: which kernel runs the int4 linear layers (target and drafter)
@@ -65,20 +65,14 @@ def fuse_swiglu(model: onnx.ModelProto) -> int:
             consumers.setdefault(name, []).append(node)
     outputs = {o.name for o in model.graph.output}
     inits = {t.name: t for t in model.graph.initializer}
-    consts = {n.output[0]: n for n in nodes if n.op_type == "Constant"}
 
     def only(name: str) -> onnx.NodeProto | None:
         users = consumers.get(name, [])
         return users[0] if len(users) == 1 and name not in outputs else None
 
-    def split_sizes(node: onnx.NodeProto) -> list[int] | None:
-        if len(node.input) < 2:
-            return None
-        src = inits.get(node.input[1])
-        if src is not None:
-            return onnx.numpy_helper.to_array(src).tolist()
-        c = consts.get(node.input[1])
-        return onnx.numpy_helper.to_array(c.attribute[0].t).tolist() if c is not None else None
+    def split_sizes(node: onnx.NodeProto) -> list[int] | None:   # the exporter's sizes are initializers
+        src = inits.get(node.input[1]) if len(node.input) > 1 else None
+        return onnx.numpy_helper.to_array(src).tolist() if src is not None else None
 
     removed, count = set(), 0
     for mm in nodes:
@@ -106,6 +100,11 @@ def fuse_swiglu(model: onnx.ModelProto) -> int:
         del model.graph.node[:]
         model.graph.node.extend(kept)
     return count
+
+
+def to_w4a8(model: onnx.ModelProto) -> int:
+    """`build --int4-kernel w4a8`'s rewrite: `use_w4a8`, then `fuse_swiglu`; returns the nodes changed."""
+    return use_w4a8(model) + fuse_swiglu(model)
 
 
 @lru_cache(maxsize=None)
