@@ -277,3 +277,29 @@ def test_remap_refuses_moves_outside_the_slots():
     cache = KVCache(1, 2, 1, 2, max_capacity=256)
     with pytest.raises(ValueError, match="must lie within 2 → 1 slots"):
         cache.remap(1, {0: 0, 1: 1})
+
+
+def test_prefault_grows_the_arena_in_place_of_later_growth_and_keeps_contents():
+    """After prefault(S, n) the cache's contents are unchanged, and growing to S slots × n entries relays out
+    inside the same arena (no fresh pages mid-step); the arena goes to the next cache of its shape."""
+    pool = KVArenaPool()
+    cache = KVCache(2, 2, 2, 3, max_capacity=4096, initial_capacity=128, pool=pool)
+    k, v = _rows(3)
+    cache.append(np.array([0, 1, 1]), k, v)
+    before = [x.copy() for x in cache.keys + cache.values]
+    cache.prefault(4, 1000)
+    assert cache.arena_bytes == 2 * 2 * 4 * 2 * aligned(1000) * 3 * 4
+    assert cache.lens.tolist() == [1, 2]
+    for x, y in zip(cache.keys + cache.values, before):
+        np.testing.assert_array_equal(x, y)
+    arena = cache._holder[0]
+    cache.reserve(1000)
+    assert cache._holder[0] is arena and cache.capacity == aligned(1000)
+    np.testing.assert_array_equal(cache.keys[1][1, :, :2], k[1][[1, 2]].transpose(1, 0, 2))
+    cache.prefault(1, 10)                                           # smaller than the arena: nothing moves
+    assert cache._holder[0] is arena
+    del cache
+    gc.collect()
+    again = KVCache(2, 4, 2, 3, max_capacity=4096, initial_capacity=128, pool=pool)
+    again.reserve(1000)
+    assert np.shares_memory(again.keys[0], arena)

@@ -13,7 +13,10 @@ Measurements (wall clock, `time.perf_counter`):
   request could not be replaced (the loop has run out of requests); until then exactly C requests
   are in flight at every step (queued in the generator when C exceeds its slots). The drain tail
   is excluded. `throughput_tokens_per_s` = output tokens committed in the window / its wall time;
-  `mean_step_ms` and `scheduler_ms` are per step in the window.
+  `mean_step_ms` and `scheduler_ms` are per step in the window. The window ends at a completion: requests
+  that finish together (ar at equal lengths) owe nothing then, requests that drift apart (speculation)
+  owe part of their tokens after paying their prefill, which reads them low by O(C / requests): ~0.8 % at
+  C = 4 and 32 requests, ~0.5 % at 64 (reports/serve/window-bias.md).
 - per user: each request's completion tokens / its own latency from submission to finish (queueing,
   prefill and first token included); mean, p50, p90 over all requests of the run.
 - `mean_verify_len` = Σ draft_tokens / Σ rounds (drafts verified per request per step; the anchor
@@ -30,7 +33,8 @@ Measurements (wall clock, `time.perf_counter`):
   over several repeats is what to compare policies by, not one run's tokens/s.
 
 Before each measured run the engines are warmed up (C short requests, not measured) so lazily
-initialised ONNX Runtime sessions do not count. Greedy identity spot check: the first
+initialised ONNX Runtime sessions do not count, and the KV caches' arenas are written once at the size
+the run reaches (`KVCache.prefault`), so no measured step pays first touch of fresh pages. Greedy identity spot check: the first
 `identity_checks` completed requests of every run are compared with an `ar` solo run of the same
 prompt (temperature 0 only).
 
@@ -417,7 +421,13 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
         pol = policies[text]
         gc.collect()    # a dead Generator's KV arenas return to the engines' pool only when its cycles are freed
         if cfg.warmup:
-            Generator(engines, pol).generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, len(prompts)))
+            warm_gen = Generator(engines, pol)
+            warm_gen.generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, len(prompts)))
+            longest = max(len(ids) for _, _, ids in prompts) + cfg.max_new_tokens + block_size + 1
+            for kv in (warm_gen.batch.target_kv, warm_gen.batch.draft_kv):
+                if kv is not None:    # its arena goes to the measured generator (KVArenaPool)
+                    kv.prefault(min(c, warm_gen.max_slots), longest)
+            del warm_gen
             gc.collect()
         gen = Generator(engines, _timed(pol))
         run = _closed_loop(gen, prompts, c, params)
