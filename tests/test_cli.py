@@ -98,3 +98,18 @@ def test_progress_eta():
     assert Eta(4, start=2, clock=lambda: now[0]).remaining_s(2) is None
     assert [format_seconds(x) for x in (5, 185, 3720)] == ["5s", "3m05s", "1h02m"]
     json.dumps(eta.text(3))
+
+
+def test_generate_hints_at_chat_when_raw_prompts_end_at_once():
+    from dspark_export.cli import chat_hint
+    from dspark_export.runtime.request import GenerationResult
+
+    ended = GenerationResult(token_ids=[2], finish_reason="stop", stop_reason=2)
+    spoke = GenerationResult(token_ids=[5, 6, 7], finish_reason="length")
+    assert "1 of 2 prompt(s)" in chat_hint([ended, spoke], chat=False, has_template=True)
+    assert "--chat" in chat_hint([ended], chat=False, has_template=True)
+    assert chat_hint([ended], chat=True, has_template=True) is None          # already chatting
+    assert chat_hint([ended], chat=False, has_template=False) is None        # a base model: nothing to suggest
+    assert chat_hint([spoke], chat=False, has_template=True) is None
+    cut = GenerationResult(token_ids=[9], finish_reason="length")            # max_new_tokens 1, not a stop
+    assert chat_hint([cut], chat=False, has_template=True) is None

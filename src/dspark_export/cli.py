@@ -310,10 +310,26 @@ def cmd_generate(args) -> int:
             s = r.stats
             _progress(f"{s.completion_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, τ={s.acceptance_length:.2f}, "
                       f"finish={r.finish_reason}")
+    hint = chat_hint(results, args.chat, bool(getattr(rt.tokenizer, "chat_template", None)))
+    if hint:
+        _progress(hint)
     failed = sum(r.finish_reason == "error" for r in results)
     if failed:
         _progress(f"{failed} of {len(results)} prompt(s) failed")
     return 1 if failed else 0
+
+
+def chat_hint(results, chat: bool, has_template: bool) -> str | None:
+    """The note `generate` prints when prompts sent without --chat stopped at their first token although the
+    tokenizer has a chat template: an instruct model given a bare question often ends its turn at once (SmolLM2
+    answers "What is the capital of France?" with <|im_end|>), which looks like a broken engine."""
+    if chat or not has_template:
+        return None
+    ended = sum(r.finish_reason == "stop" and len(r.token_ids) <= 1 for r in results)
+    if not ended:
+        return None
+    return (f"note: {ended} of {len(results)} prompt(s) ended at their first token; this model has a chat template, "
+            "and an instruct model given raw text often ends its turn at once: add --chat")
 
 
 def cmd_bench(args) -> int:
