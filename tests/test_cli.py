@@ -113,3 +113,7 @@ def test_generate_hints_at_chat_when_raw_prompts_end_at_once():
     assert chat_hint([spoke], chat=False, has_template=True) is None
     cut = GenerationResult(token_ids=[9], finish_reason="length")            # max_new_tokens 1, not a stop
     assert chat_hint([cut], chat=False, has_template=True) is None
+    comma = GenerationResult(token_ids=[11], finish_reason="stop", stop_reason=",")   # the user's --stop string
+    assert chat_hint([comma], chat=False, has_template=True) is None
+    bad = GenerationResult(finish_reason="error", error="prompt: ...")       # an unreadable line: not counted
+    assert "1 of 2 prompt(s)" in chat_hint([ended, bad, spoke], chat=False, has_template=True)

@@ -325,10 +325,12 @@ def chat_hint(results, chat: bool, has_template: bool) -> str | None:
     answers "What is the capital of France?" with <|im_end|>), which looks like a broken engine."""
     if chat or not has_template:
         return None
-    ended = sum(r.finish_reason == "stop" and len(r.token_ids) <= 1 for r in results)
+    answered = [r for r in results if r.finish_reason != "error"]
+    ended = sum(r.finish_reason == "stop" and len(r.token_ids) <= 1 and isinstance(r.stop_reason, int)
+                and not isinstance(r.stop_reason, bool) for r in answered)   # a stop token, not a --stop string
     if not ended:
         return None
-    return (f"note: {ended} of {len(results)} prompt(s) ended at their first token; this model has a chat template, "
+    return (f"note: {ended} of {len(answered)} prompt(s) ended at their first token; this model has a chat template, "
             "and an instruct model given raw text often ends its turn at once: add --chat")
 
 

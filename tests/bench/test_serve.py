@@ -11,6 +11,7 @@ from dspark_export.bench.serve import _TimedPolicy, markdown_table
 from dspark_export.errors import ConfigError
 from dspark_export.runtime.draft_control import DraftController
 from dspark_export.runtime.generator import Generator
+from dspark_export.runtime.request import SamplingParams
 
 from ..script_loader import load_script
 from ..test_pipeline import BUCKETS, engine_dir  # noqa: F401  (module fixture: the tiny engine directory)
@@ -215,3 +216,52 @@ def test_script(engine_dir, datasets_dir, tmp_path, capsys):  # noqa: F811
     assert (tmp_path / "out" / "serve_throughput_vs_per_user.png").stat().st_size > 0
     assert script.main(common + ["--policies", "bogus"]) == 2
     assert "error: policy: expected one of" in capsys.readouterr().err
+
+
+def test_measured_runs_take_the_warm_up_arenas(engine_dir, datasets_dir):  # noqa: F811
+    """Both KV caches of each measured generator run in the arenas its warm-up prefaulted (handed on through the
+    engines' pool: nothing may keep the warm-up's caches alive), and no measured step moves them to a new one."""
+    import numpy as np
+
+    from dspark_export.bench import serve as SB
+
+    seen, warm_arenas = [], []
+    original_loop, original_warm_up = SB._closed_loop, SB._warm_up
+
+    def warm_up(gen, *args):
+        original_warm_up(gen, *args)
+        warm_arenas.append([kv._holder[0] for kv in (gen.batch.target_kv, gen.batch.draft_kv)])
+
+    def watched(gen, prompts, concurrency, params):
+        caches = (gen.batch.target_kv, gen.batch.draft_kv)
+        before = [kv._holder[0] for kv in caches]
+        taken = [np.shares_memory(a, w) for a, w in zip(before, warm_arenas[-1])]
+        run = original_loop(gen, prompts, concurrency, params)
+        seen.append(taken + [kv._holder[0] is arena for kv, arena in zip(caches, before)])
+        return run
+
+    cfg = ServeBenchConfig(engine_dir, concurrency=(3,), policies=("ar", "dspark-async"), datasets=("alpha", "beta"),
+                           datasets_dir=datasets_dir, requests=6, max_new_tokens=MAX_NEW, seed=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SB, "_closed_loop", watched)
+        mp.setattr(SB, "_warm_up", warm_up)
+        run_serve_bench(cfg)
+    assert seen == [[True] * 4, [True] * 4]
+
+
+def test_warm_up_prefaults_the_slot_bucket_the_run_lays_out():
+    """C = 3 runs in the 4-slot bucket: the warm-up prefaults 4 slots × (longest prompt + what follows it)."""
+    from types import SimpleNamespace
+
+    from dspark_export.bench.serve import _warm_up
+    from dspark_export.exporter.quantize import aligned
+    from dspark_export.runtime.kv_cache import KVCache
+
+    caches = [KVCache(3, 1, 2, 4, max_capacity=4096, initial_capacity=128) for _ in range(2)]
+    gen = SimpleNamespace(generate=lambda prompts, params: None, max_slots=8,
+                          engines=SimpleNamespace(bucket_for=lambda graph, n: {1: 1, 2: 2, 3: 4, 4: 4}[n]),
+                          batch=SimpleNamespace(target_kv=caches[0], draft_kv=caches[1]))
+    prompts = [("a", 0, [1] * 300), ("b", 1, [1] * 700), ("a", 2, [1] * 50)]
+    _warm_up(gen, prompts, 3, SamplingParams(max_new_tokens=8), 64 + 6)
+    for kv in caches:
+        assert kv.arena_bytes == 2 * 3 * 4 * 2 * aligned(700 + 70) * 4 * 4

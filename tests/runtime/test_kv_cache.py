@@ -303,3 +303,10 @@ def test_prefault_grows_the_arena_in_place_of_later_growth_and_keeps_contents():
     again = KVCache(2, 4, 2, 3, max_capacity=4096, initial_capacity=128, pool=pool)
     again.reserve(1000)
     assert np.shares_memory(again.keys[0], arena)
+
+
+@pytest.mark.parametrize("slots, entries", [(-1, 10), (2, -5), (2.0, 10), (True, 10), (2, "10")])
+def test_prefault_refuses_bad_sizes(slots, entries):
+    cache = KVCache(2, 2, 2, 3, max_capacity=4096, initial_capacity=128)
+    with pytest.raises(ValueError, match="prefault"):
+        cache.prefault(slots, entries)

@@ -68,7 +68,7 @@ __all__ = ["ServeBenchConfig", "run_serve_bench", "write_reports",
            "DEFAULT_CONCURRENCY", "DEFAULT_POLICIES", "DEFAULT_DATASETS"]
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16)
-DEFAULT_POLICIES = ("ar", "fixed:1", "fixed:7", "dspark", "dspark-async")
+DEFAULT_POLICIES = ("ar", "fixed:1", "dspark", "dspark-async")   # fixed:K needs K ≤ the engines' γ
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 WARMUP_TOKENS = 8
 
@@ -240,6 +240,18 @@ class _Run:
     window_sched_s: float = 0.0
     wall_s: float = 0.0
     max_in_flight: int = 0
+
+
+def _warm_up(gen: Generator, prompts: list, concurrency: int, params: SamplingParams, past_prompt: int) -> None:
+    """Run the first `concurrency` prompts on `gen` (unmeasured), then prefault its KV caches' arenas at the
+    layout the closed loop reaches: the slot bucket of C requests × (longest prompt + `past_prompt` entries),
+    so that no measured step grows into fresh pages (`KVCache.prefault`). The arenas pass to the next
+    generator on these engines through their pool once `gen` is collected."""
+    gen.generate([ids for _, _, ids in prompts[:concurrency]], [params] * min(concurrency, len(prompts)))
+    slots = gen.engines.bucket_for("drafter_block", min(concurrency, gen.max_slots))
+    entries = max(len(ids) for _, _, ids in prompts) + past_prompt
+    gen.batch.target_kv.prefault(slots, entries)
+    gen.batch.draft_kv.prefault(slots, entries)
 
 
 def _closed_loop(gen: Generator, prompts: list, concurrency: int, params: SamplingParams) -> _Run:
@@ -421,14 +433,8 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Callable[[str], None] | Non
         pol = policies[text]
         gc.collect()    # a dead Generator's KV arenas return to the engines' pool only when its cycles are freed
         if cfg.warmup:
-            warm_gen = Generator(engines, pol)
-            warm_gen.generate([ids for _, _, ids in prompts[:c]], [warm] * min(c, len(prompts)))
-            longest = max(len(ids) for _, _, ids in prompts) + cfg.max_new_tokens + block_size + 1
-            for kv in (warm_gen.batch.target_kv, warm_gen.batch.draft_kv):
-                if kv is not None:    # its arena goes to the measured generator (KVArenaPool)
-                    kv.prefault(min(c, warm_gen.max_slots), longest)
-            del warm_gen
-            gc.collect()
+            _warm_up(Generator(engines, pol), prompts, c, warm, cfg.max_new_tokens + block_size + 1)
+            gc.collect()      # the warm-up's arenas go back to the pool, for the measured generator
         gen = Generator(engines, _timed(pol))
         run = _closed_loop(gen, prompts, c, params)
         row = _summarise(text, c, gen, run)

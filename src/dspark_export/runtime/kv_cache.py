@@ -171,9 +171,15 @@ class KVCache:
         Why: a layout that outgrows the arena moves into fresh pages, and first touch runs ~40x slower than a
         write to touched pages on these VMs (module docstring): a step that grows the cache stalls for up to
         ~0.7 s at 4 slots. A benchmark's warm-up calls this so that no measured step pays it; a server could
-        at startup, as vLLM allocates its KV cache up front."""
+        at startup, as vLLM allocates its KV cache up front.
+
+        Raises:
+            ValueError: `num_slots` or `entries` is not an integer ≥ 0."""
+        for name, value in (("num_slots", num_slots), ("entries", entries)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"KV cache prefault: {name} must be an integer >= 0, found {value!r}")
         L2, H, D = 2 * self.num_layers, self.num_kv_heads, self.head_dim
-        need = L2 * num_slots * H * aligned(min(entries, self.max_capacity)) * D
+        need = L2 * int(num_slots) * H * aligned(min(int(entries), self.max_capacity)) * D
         arena, used = self._holder[0], self._view.size
         if need > arena.size:
             grown = np.empty(need, np.float32)
@@ -182,6 +188,9 @@ class KVCache:
             self._view = arena[:used].reshape(self._view.shape)
             self.keys = [self._view[0, layer] for layer in range(self.num_layers)]
             self.values = [self._view[1, layer] for layer in range(self.num_layers)]
+        else:           # the layout may sit on pages never written (a fresh arena is calloc'ed): one write a page
+            page = 4096 // arena.itemsize
+            arena[:used:page] = arena[:used:page]
         arena[used:] = 0.0      # past the layout: scratch that `_relayout` zeroes before use
 
     def reserve(self, needed: int) -> None:
