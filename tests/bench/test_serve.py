@@ -247,21 +247,3 @@ def test_measured_runs_take_the_warm_up_arenas(engine_dir, datasets_dir):  # noq
         mp.setattr(SB, "_warm_up", warm_up)
         run_serve_bench(cfg)
     assert seen == [[True] * 4, [True] * 4]
-
-
-def test_warm_up_prefaults_the_slot_bucket_the_run_lays_out():
-    """C = 3 runs in the 4-slot bucket: the warm-up prefaults 4 slots × (longest prompt + what follows it)."""
-    from types import SimpleNamespace
-
-    from dspark_export.bench.serve import _warm_up
-    from dspark_export.exporter.quantize import aligned
-    from dspark_export.runtime.kv_cache import KVCache
-
-    caches = [KVCache(3, 1, 2, 4, max_capacity=4096, initial_capacity=128) for _ in range(2)]
-    gen = SimpleNamespace(generate=lambda prompts, params: None, max_slots=8,
-                          engines=SimpleNamespace(bucket_for=lambda graph, n: {1: 1, 2: 2, 3: 4, 4: 4}[n]),
-                          batch=SimpleNamespace(target_kv=caches[0], draft_kv=caches[1]))
-    prompts = [("a", 0, [1] * 300), ("b", 1, [1] * 700), ("a", 2, [1] * 50)]
-    _warm_up(gen, prompts, 3, SamplingParams(max_new_tokens=8), 64 + 6)
-    for kv in caches:
-        assert kv.arena_bytes == 2 * 3 * 4 * 2 * aligned(700 + 70) * 4 * 4

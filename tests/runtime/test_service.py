@@ -194,3 +194,31 @@ def test_runtime_open_checks_threads_and_damaged_files(engine_dir, tmp_path):  #
     m.replace_file(tok, json.dumps({"version": "1.0"}).encode())
     with pytest.raises(EngineDirError, match="could not load the tokenizer"):
         Runtime.open(copy)
+
+
+def test_prefault_kv_lays_out_the_slot_bucket_and_the_service_does_it_at_start(engine_dir):  # noqa: F811
+    """3 requests run in the 4-slot bucket: prefault_kv(n, 3) makes room for 4 slots × n entries in both caches, so
+    growing to that layout stays in the same arenas; Service(kv_prefault_tokens=n) does it for max_slots."""
+    from dspark_export.exporter.quantize import aligned
+    from dspark_export.runtime.generator import Generator
+    from dspark_export.runtime.policies import parse_policy
+
+    from dspark_export.runtime.api import Runtime
+
+    rt = Runtime.open(engine_dir)                      # a fresh EngineSet: an empty arena pool
+    gen = Generator(rt.engines, parse_policy("ar"))
+    gen.batch.prefault_kv(60, requests=3)
+    slots = rt.engines.bucket_for("drafter_block", 3)
+    assert slots == 4
+    for kv in (gen.batch.target_kv, gen.batch.draft_kv):
+        arena = kv._holder[0]
+        assert kv.arena_bytes == 2 * kv.num_layers * slots * kv.num_kv_heads * aligned(60) * kv.head_dim * 4
+        kv.remap(slots, {})
+        kv.reserve(60)
+        assert kv._holder[0] is arena
+    with pytest.raises(ValueError, match="requests"):
+        gen.batch.prefault_kv(60, requests=-1)
+    svc = Service(Runtime.open(engine_dir), "ar", max_slots=2, kv_prefault_tokens=60)
+    gen = svc._generator(parse_policy("ar"))
+    assert gen.batch.target_kv.arena_bytes >= 2 * gen.batch.target_kv.num_layers * 2 * \
+        gen.batch.target_kv.num_kv_heads * aligned(60) * gen.batch.target_kv.head_dim * 4

@@ -26,6 +26,9 @@ def test_serve_defaults_to_loopback_and_refuses_bad_flags(tmp_path, capsys):
     assert "--engine-dir" in capsys.readouterr().err
     assert main(["serve", "--engine-dir", str(tmp_path), "--max-queue", "-1"]) == 2
     assert "--max-queue" in capsys.readouterr().err
+    assert args.kv_prefault_tokens == 0
+    assert main(["serve", "--engine-dir", str(tmp_path), "--kv-prefault-tokens", "-5"]) == 2
+    assert "--kv-prefault-tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--engine-dir", str(tmp_path), "--max-slots", "0"])
 

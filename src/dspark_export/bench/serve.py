@@ -248,10 +248,7 @@ def _warm_up(gen: Generator, prompts: list, concurrency: int, params: SamplingPa
     so that no measured step grows into fresh pages (`KVCache.prefault`). The arenas pass to the next
     generator on these engines through their pool once `gen` is collected."""
     gen.generate([ids for _, _, ids in prompts[:concurrency]], [params] * min(concurrency, len(prompts)))
-    slots = gen.engines.bucket_for("drafter_block", min(concurrency, gen.max_slots))
-    entries = max(len(ids) for _, _, ids in prompts) + past_prompt
-    gen.batch.target_kv.prefault(slots, entries)
-    gen.batch.draft_kv.prefault(slots, entries)
+    gen.batch.prefault_kv(max(len(ids) for _, _, ids in prompts) + past_prompt, concurrency)
 
 
 def _closed_loop(gen: Generator, prompts: list, concurrency: int, params: SamplingParams) -> _Run:

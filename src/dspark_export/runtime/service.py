@@ -118,10 +118,13 @@ class Service:
         max_slots (int | None): requests decoded at once per policy (`Generator`'s max_slots); None = the
             largest drafter bucket.
         max_policies (int): distinct policies (generators) kept at once (`MAX_POLICIES`).
+        kv_prefault_tokens (int): when > 0, the default policy's generator is made now and its KV caches
+            written once for max_slots requests of this many tokens (`Batch.prefault_kv`), so no request
+            pays first-touch page faults while the caches grow to that size; 0 = grow on demand.
     """
 
     def __init__(self, runtime: Runtime, policy: str | Policy = DEFAULT_POLICY, max_slots: int | None = None,
-                 max_policies: int = MAX_POLICIES):
+                 max_policies: int = MAX_POLICIES, kv_prefault_tokens: int = 0):
         self.runtime = runtime
         self.max_slots = max_slots
         self.max_policies = max(1, max_policies)
@@ -133,7 +136,9 @@ class Service:
         self._events: list[Event] = []
         self._next_id = 1
         self._counts = dict(submitted=0, finished=0, failed=0, cancelled=0, steps=0, generated_tokens=0)
-        self._generator(self.default_policy)   # fail early: a dspark policy without a profile
+        gen = self._generator(self.default_policy)   # fail early: a dspark policy without a profile
+        if kv_prefault_tokens:
+            gen.batch.prefault_kv(kv_prefault_tokens)
 
     @classmethod
     def open(cls, engine_dir: str | Path, policy: str | Policy = DEFAULT_POLICY, verify: bool = True,

@@ -65,6 +65,8 @@ class ServeConfig:
         max_body_bytes: request bodies above this get 413.
         max_queue: requests allowed to wait for a KV-cache slot; beyond `max_slots + max_queue` in flight: 429.
         max_slots: requests decoded at once (None = the largest drafter bucket).
+        kv_prefault_tokens: write the KV caches once at startup for max_slots requests of this many tokens
+            (`Service`'s kv_prefault_tokens); 0 = grow on demand.
         threads: ONNX Runtime intra-op threads (0 = its choice).
         backend: "onnxruntime" or "tensorrt".
         verify: check the engine files' sha256 at load.
@@ -80,6 +82,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     max_queue: int = 64
     max_slots: int | None = None
+    kv_prefault_tokens: int = 0
     threads: int = 0
     backend: str = "onnxruntime"
     verify: bool = True
@@ -132,7 +135,7 @@ class _State:
         c = self.config
         try:
             rt = Runtime.open(c.engine_dir, policy=c.policy, verify=c.verify, threads=c.threads, backend=c.backend)
-            self._ready(Service(rt, c.policy, max_slots=c.max_slots))
+            self._ready(Service(rt, c.policy, max_slots=c.max_slots, kv_prefault_tokens=c.kv_prefault_tokens))
         except Exception as e:  # noqa: BLE001 - reported on /health and by the CLI, never a silent hang
             self.load_error = f"{type(e).__name__}: {e}"
             log.error("loading %s failed: %s", c.engine_dir, self.load_error)

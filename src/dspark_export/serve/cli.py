@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a KV-cache slot; more in flight get 429 (64)")
     p.add_argument("--max-slots", type=_positive("slots"), default=None,
                    help="requests decoded at once (default: the largest drafter bucket)")
+    p.add_argument("--kv-prefault-tokens", type=int, default=0, metavar="TOKENS",
+                   help="at startup, write the KV cache memory once for --max-slots requests of TOKENS tokens (prompt "
+                        "+ output), so no request pays the first touch of its pages while the cache grows (slow on "
+                        "some VMs: ~150 MB/s); costs that memory up front, as vLLM's KV cache does (0 = off)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads per replica (0 = its choice)")
     p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime", help="engines to run")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the engine files")
@@ -77,6 +81,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
     """
     from .app import ServeConfig
 
+    if args.kv_prefault_tokens < 0:
+        raise ConfigError(f"--kv-prefault-tokens: expected an integer >= 0 (0 = off), found {args.kv_prefault_tokens}")
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue: expected an integer >= 0, found {args.max_queue}")
     if not 0 <= args.port <= 65535:
@@ -89,6 +95,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
     config = ServeConfig(engine_dir=str(args.engine_dir.resolve()), policy=args.policy, model_name=args.model_name,
                          api_key=args.api_key if args.api_key is not None else os.environ.get("DSPARK_API_KEY", ""),
                          max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, max_slots=args.max_slots,
+                         kv_prefault_tokens=args.kv_prefault_tokens,
                          threads=args.threads, backend=args.backend, verify=not args.no_verify,
                          debug_step_delay_s=args.debug_step_delay)
     if args.replicas > 1 or args.ray_address:
