@@ -327,7 +327,7 @@ def chat_hint(results, chat: bool, has_template: bool) -> str | None:
         return None
     answered = [r for r in results if r.finish_reason != "error"]
     ended = sum(r.finish_reason == "stop" and len(r.token_ids) <= 1 and isinstance(r.stop_reason, int)
-                and not isinstance(r.stop_reason, bool) for r in answered)   # a stop token, not a --stop string
+                for r in answered)   # a stop token id, not a --stop string
     if not ended:
         return None
     return (f"note: {ended} of {len(answered)} prompt(s) ended at their first token; this model has a chat template, "

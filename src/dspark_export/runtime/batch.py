@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ..engines.engine_set import EngineSet
-from .kv_cache import KVArenaPool, KVCache
+from .kv_cache import KVArenaPool, KVCache, check_count
 from .request import GREEDY_BELOW, GenerationResult, SamplingParams
 
 __all__ = ["RequestState", "Batch", "finish"]
@@ -174,10 +174,8 @@ class Batch:
 
         Raises:
             ValueError: `entries` or `requests` is not an integer ≥ 0."""
-        if requests is not None and (isinstance(requests, bool) or not isinstance(requests, (int, np.integer))
-                                     or requests < 0):
-            raise ValueError(f"prefault_kv: requests must be an integer >= 0 or None, found {requests!r}")
-        wanted = self.max_slots if requests is None else min(int(requests), self.max_slots)
+        wanted = self.max_slots if requests is None else \
+            min(check_count("prefault_kv: requests", requests), self.max_slots)
         slots = self.engines.bucket_for("drafter_block", max(1, wanted))
         self.target_kv.prefault(slots, entries)
         self.draft_kv.prefault(slots, entries)

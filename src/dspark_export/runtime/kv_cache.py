@@ -29,7 +29,7 @@ import numpy as np
 
 from ..exporter.quantize import aligned
 
-__all__ = ["KVCache", "KVArenaPool", "layer_names"]
+__all__ = ["KVCache", "KVArenaPool", "layer_names", "check_count"]
 
 
 class KVArenaPool:
@@ -75,6 +75,13 @@ class KVArenaPool:
 def layer_names(prefix: str, num_layers: int) -> tuple[str, ...]:
     """Per-layer engine input/output names f"{prefix}.{l}", l = 0..L-1 (built once: a step uses them 2L times)."""
     return tuple(f"{prefix}.{layer}" for layer in range(num_layers))
+
+
+def check_count(name: str, value) -> int:
+    """`value` as an int; ValueError naming `name` unless it is an integer ≥ 0 (bool refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, found {value!r}")
+    return int(value)
 
 
 def _give_back(pool: KVArenaPool, shape: tuple, holder: list) -> None:
@@ -158,11 +165,16 @@ class KVCache:
                 kept[n] = e
             for n in range(num_slots):             # zero what no move wrote
                 view[:, n, :, kept[n]:] = 0.0
-        self._holder[0] = arena
-        self._view = arena[:needed].reshape(2, self.num_layers, num_slots, H, capacity, D)
-        self.keys = [self._view[0, l] for l in range(self.num_layers)]
-        self.values = [self._view[1, l] for l in range(self.num_layers)]
+        self._bind(arena, (2, self.num_layers, num_slots, H, capacity, D))
         self.capacity, self.num_slots = capacity, num_slots
+
+    def _bind(self, arena: np.ndarray, shape: tuple) -> None:
+        """Make `arena` the cache's arena and its first prod(shape) floats the layout [2, L, S, kvH, C, D] that
+        `keys` and `values` (per layer) view."""
+        self._holder[0] = arena
+        self._view = arena[:int(np.prod(shape))].reshape(shape)
+        self.keys = [self._view[0, layer] for layer in range(self.num_layers)]
+        self.values = [self._view[1, layer] for layer in range(self.num_layers)]
 
     def prefault(self, num_slots: int, entries: int) -> None:
         """Make the arena hold a layout of `num_slots` slots × `entries` entries (rounded up to KEY_CHUNK, at most
@@ -175,19 +187,16 @@ class KVCache:
 
         Raises:
             ValueError: `num_slots` or `entries` is not an integer ≥ 0."""
-        for name, value in (("num_slots", num_slots), ("entries", entries)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"KV cache prefault: {name} must be an integer >= 0, found {value!r}")
+        num_slots = check_count("KV cache prefault: num_slots", num_slots)
+        entries = check_count("KV cache prefault: entries", entries)
         L2, H, D = 2 * self.num_layers, self.num_kv_heads, self.head_dim
-        need = L2 * int(num_slots) * H * aligned(min(int(entries), self.max_capacity)) * D
+        need = L2 * num_slots * H * aligned(min(entries, self.max_capacity)) * D
         arena, used = self._holder[0], self._view.size
         if need > arena.size:
             grown = np.empty(need, np.float32)
             grown[:used] = arena[:used]
-            arena = self._holder[0] = grown
-            self._view = arena[:used].reshape(self._view.shape)
-            self.keys = [self._view[0, layer] for layer in range(self.num_layers)]
-            self.values = [self._view[1, layer] for layer in range(self.num_layers)]
+            self._bind(grown, self._view.shape)
+            arena = grown
         else:           # the layout may sit on pages never written (a fresh arena is calloc'ed): one write a page
             page = 4096 // arena.itemsize
             arena[:used:page] = arena[:used:page]

@@ -111,6 +111,10 @@ struct Portable {
 #ifdef ATTENTION_X86
 #define AVX512 __attribute__((target("avx512f,fma"))) static
 struct Avx512 {
+  // the lanes of the 16 elements from i when `left` remain: all 16, or the first `left`
+  AVX512 inline __mmask16 tail_mask(int64_t left) {
+    return left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+  }
   AVX512 inline float tree(__m512 v) {
     const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -153,8 +157,7 @@ struct Avx512 {
           const __m512 qc = D ? qv[c / kLanes] : _mm512_loadu_ps(q + c);
           for (int64_t i = 0; i < kLanes; ++i) part[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[i] + c), part[i]);
         }
-        const __mmask16 m = live - t >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                                               : static_cast<__mmask16>((1u << (live - t)) - 1u);
+        const __mmask16 m = tail_mask(live - t);
         _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_permutexvar_ps(order, tree16(part)), vscale));
       }
     }
@@ -167,15 +170,13 @@ struct Avx512 {
     // max in 16 lanes: exact in any order (a ±0 tie gives exp(±0) = 1 either way)
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += kLanes) {
-      const __mmask16 m = n - i >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                                          : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __mmask16 m = tail_mask(n - i);
       vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + i));
     }
     const __m512 vt = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 part = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += kLanes) {
-      const __mmask16 m = n - i >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                                          : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __mmask16 m = tail_mask(n - i);
       const __m512 e = exp_poly16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vt));
       _mm512_mask_storeu_ps(s + i, m, e);
       part = _mm512_mask_add_ps(part, m, part, e);
