@@ -16,7 +16,7 @@ from dspark_export.runtime.api import Runtime
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
-from dspark_export.runtime.stages import EngineStages
+from dspark_export.runtime.stages import ContextWindow, EngineStages
 
 from tests.conftest import TINY_BUILD as BUCKETS
 
@@ -337,7 +337,11 @@ def test_imported_drafter_with_embedding_tap_drafts_exactly_by_default(tiny_targ
         assert s.token_ids == a.token_ids
     opt_in = tmp_path / "eng-int8"
     build_engine_dir(BuildConfig(out=opt_in, target=str(tiny_target_dir), drafter=str(ckpt), drafter_lm_head="int8",
-                                 **BUCKETS))
-    approx = Manifest.load(opt_in).data["source"]["drafter"]["approximations"]
-    assert [(a["name"], a["value"]) for a in approx] == [("drafter_lm_head", "int8")]
+                                 drafter_context="4,32", **BUCKETS))
+    m = Manifest.load(opt_in)
+    approx = m.data["source"]["drafter"]["approximations"]
+    assert [(a["name"], a["value"]) for a in approx] == [("drafter_lm_head", "int8"), ("drafter_context", "4,32")]
     assert "approximation drafter_lm_head=int8" in inspect_engine_dir(opt_in).format_text()
+    assert "drafter_context_window" not in Manifest.load(out).runtime
+    assert m.runtime["drafter_context_window"] == {"sink": 4, "recent": 32}
+    assert Runtime.open(opt_in, policy="fixed:4").generator.stages.context_window == ContextWindow(4, 32)

@@ -120,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the drafter layers' weights (int4 / int8: ONNX Runtime MatMulNBits; w8a8: int8 weights and "
                         "per-row int8 activations; all row-local): auto = the shipped "
                         "drafter's measured format, float32 (exact drafting) for any other drafter")
+    b.add_argument("--drafter-context", default="auto", metavar="auto|full|SINK,RECENT",
+                   help="the committed rows the drafter reads before each draft: the first SINK and the last RECENT "
+                        "(e.g. 4,32: cheaper context flushes, bounded drafter cache), or full; auto = the shipped "
+                        "drafter's measured window, full (exact drafting) for any other drafter")
     b.add_argument("--int4-kernel", choices=("w4a8", "matmulnbits"), default="w4a8",
                    help="kernel of the int4 linear layers: w4a8 = dspark.cpu::MatMulW4A8 (default; same "
                         "arithmetic as MatMulNBits, cheap verification rows; compiled with the system C++ "
@@ -257,8 +261,9 @@ def cmd_build(args) -> int:
                       profile_context=args.profile_context, profile_repeats=args.profile_repeats,
                       seed=args.seed, drafter_lm_head=args.drafter_lm_head, overwrite=args.overwrite,
                       weights=args.weights, draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from,
-                      drafter_weights=args.drafter_weights, int4_kernel=args.int4_kernel,
-                      markov_draft_kernel=args.markov_draft_kernel, attention_kernel=args.attention_kernel)
+                      drafter_weights=args.drafter_weights, drafter_context=args.drafter_context,
+                      int4_kernel=args.int4_kernel, markov_draft_kernel=args.markov_draft_kernel,
+                      attention_kernel=args.attention_kernel)
     result = build_engine_dir(cfg, progress=_progress)
     _progress(f"built {result.out} ({result.size_bytes / 2**20:.0f} MiB)")
     print(json.dumps({"out": str(result.out), "size_bytes": result.size_bytes,

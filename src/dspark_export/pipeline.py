@@ -60,11 +60,12 @@ def resolve_drafter_lm_head(choice: str, drafter_source: dict) -> str:
 
 
 def drafter_approximations(lm_head: str, draft_vocab: int | None = None,
-                           layer_weights: str = "float32") -> list[dict]:
+                           layer_weights: str = "float32", context_window: dict | None = None) -> list[dict]:
     """The approximations a build applies to the drafter's drafting (recorded in the manifest's
     source.drafter.approximations, shown by `inspect`, carried into exported profiles): each
     {"name", "value", "effect"}; empty when the drafter drafts as its checkpoint's float32 weights do.
-    `draft_vocab` is the d2t size N (None = the full vocabulary); `layer_weights` the drafter layers' format."""
+    `draft_vocab` is the d2t size N (None = the full vocabulary); `layer_weights` the drafter layers' format;
+    `context_window` the manifest's ``drafter_context_window`` (None = every committed row)."""
     out = []
     if lm_head == "int8":
         out.append({"name": "drafter_lm_head", "value": "int8",
@@ -79,7 +80,29 @@ def drafter_approximations(lm_head: str, draft_vocab: int | None = None,
                 else "block-quantized drafter layers (MatMulNBits)")
         out.append({"name": "drafter_weights", "value": layer_weights,
                     "effect": f"{kind}: drafts can differ (output stays lossless; acceptance can differ)"})
+    if context_window is not None:
+        out.append({"name": "drafter_context", "value": f"{context_window['sink']},{context_window['recent']}",
+                    "effect": f"the drafter reads the first {context_window['sink']} and the last "
+                              f"{context_window['recent']} rows before each draft, not the whole context (output "
+                              "stays lossless; acceptance can differ)"})
     return out
+
+
+def parse_drafter_context(choice: str) -> dict | None:
+    """`build --drafter-context` as the manifest's ``runtime.drafter_context_window``: "full" → None (every
+    committed row), "SINK,RECENT" → {"sink", "recent"} (`runtime.stages.ContextWindow`). "auto" is resolved
+    by `_drafter_choices` first.
+
+    Raises:
+        ConfigError: anything else, naming what was found.
+    """
+    if choice == "full":
+        return None
+    parts = str(choice).split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[1]) < 1:
+        raise ConfigError(f"drafter_context: expected 'auto', 'full' or SINK,RECENT rows (integers, RECENT >= 1, "
+                          f"e.g. 4,32), found {choice!r}")
+    return {"sink": int(parts[0]), "recent": int(parts[1])}
 
 
 @dataclass(frozen=True)
@@ -112,6 +135,9 @@ class BuildConfig:
         drafter_weights: the drafter layers' weights (`exporter.drafter.quantize_drafter_layers`): "auto" (the
             shipped drafter's committed format, any other drafter float32: exact drafting), "float32", "int8",
             "int4" or "w8a8".
+        drafter_context: the committed rows the drafter reads (`runtime.stages.ContextWindow`): "auto" (the shipped
+            drafter's measured window, `SHIPPED_DRAFTER_BUILD`, any other drafter every row: exact drafting),
+            "full", or "SINK,RECENT" (the first SINK rows and the RECENT rows before each draft).
         int4_kernel: the kernel of the int4 linear layers, target's and drafter's (`plugins.matmul_w4a8`):
             "w4a8" (default: dspark.cpu::MatMulW4A8, compiled on first use; cheap verification rows) or
             "matmulnbits" (ONNX Runtime's own MatMulNBits; plain ONNX Runtime loads the graphs).
@@ -140,6 +166,7 @@ class BuildConfig:
     draft_vocab: str = "auto"
     draft_vocab_from: str | None = None
     drafter_weights: str = "auto"
+    drafter_context: str = "auto"
     overwrite: bool = False
     weights: str | None = None
     int4_kernel: str = "w4a8"
@@ -162,6 +189,8 @@ class BuildConfig:
         if dv not in ("auto", "full") and not (dv.isdigit() and int(dv) >= 1):
             raise ConfigError(f"draft_vocab: expected 'auto', 'full' or a positive number of tokens, found "
                               f"{self.draft_vocab!r}")
+        if self.drafter_context != "auto":
+            parse_drafter_context(self.drafter_context)   # raises ConfigError naming what was found
         for name, choices in (("drafter_weights", ("auto", *LAYER_WEIGHTS)), ("int4_kernel", matmul_w4a8.INT4_KERNELS),
                               ("attention_kernel", ATTENTION_KERNELS), ("markov_draft_kernel", MARKOV_DRAFT_KERNELS)):
             if getattr(self, name) not in choices:
@@ -302,8 +331,9 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
     check_exact_context(weights, cfg.max_context, cfg.target_buckets[-1])
     say(f"exporting graphs (target weights {weights})")
     lm_head = resolve_drafter_lm_head(cfg.drafter_lm_head, inputs.drafter_source)
-    d2t, vocab_info, layer_weights = _drafter_choices(cfg, inputs)
-    approximations = drafter_approximations(lm_head, None if d2t is None else len(d2t), layer_weights)
+    d2t, vocab_info, layer_weights, context_window = _drafter_choices(cfg, inputs)
+    approximations = drafter_approximations(lm_head, None if d2t is None else len(d2t), layer_weights,
+                                            context_window)
     inputs.drafter_source["approximations"] = approximations
     if inputs.drafter_source.get("kind") == "checkpoint" and not inputs.drafter_source.get("shipped") and approximations:
         say(f"note: the imported drafter runs with approximations {[a['name'] for a in approximations]} (asked "
@@ -319,6 +349,8 @@ def _build_into(cfg: BuildConfig, root: Path, say: Progress) -> BuildResult:
         manifest.data["plugins"][cpu_ops.manifest_key(name)] = 1  # the runtime compiles the library on load
     if vocab_info is not None:
         manifest.data["draft_vocab"] = vocab_info
+    if context_window is not None:
+        manifest.data["runtime"]["drafter_context_window"] = context_window
     _write_engines(manifest, cfg)
     inputs.save_tokenizer(root / "tokenizer")
     _copy_calibration(inputs.drafter_source, manifest)
@@ -384,10 +416,11 @@ def _write_report(manifest: Manifest) -> None:
 #: 8,192's within 0.008 on every dataset, the block 15-19 % cheaper, reports/drafter/draft-vocab-4096/; 8,192 had
 #: offline τ equal to the full vocabulary's, reports/drafter/draft-vocab.md); w8a8 layers (the block costs 0.77 of int4 layers' at
 #: R = 1 in CPU time, 0.72 / 0.49 at R = 4 / 16 in wall time; the same acceptance, reports/quant/w8a8/); the
-#: int8 head (a 4-bit one ran slower, reports/drafter/int4-head/). Like the int4 target, the quantized layers have no TensorRT import: the TensorRT
-#: backend takes `--weights fp32 --drafter-weights float32`.
+#: int8 head (a 4-bit one ran slower, reports/drafter/int4-head/); a drafter context of 4 + 32 rows (acceptance
+#: equal to the whole context's, reports/runtime_split/s41/). Like the int4 target, the quantized layers have no
+#: TensorRT import: the TensorRT backend takes `--weights fp32 --drafter-weights float32`.
 SHIPPED_DRAFTER_BUILD = {"weights": DEFAULT_WEIGHTS, "draft_vocab": 4096, "drafter_weights": "w8a8",
-                         "drafter_lm_head": "int8"}
+                         "drafter_lm_head": "int8", "drafter_context": "4,32"}
 
 
 def shipped_build_flags() -> str:
@@ -396,11 +429,12 @@ def shipped_build_flags() -> str:
     (exact drafting, fp32 target), so a candidate would otherwise be compared on a different build."""
     b = SHIPPED_DRAFTER_BUILD
     return (f"--weights {b['weights']} --draft-vocab {b['draft_vocab']} --drafter-weights {b['drafter_weights']} "
-            f"--drafter-lm-head {b['drafter_lm_head']}")
+            f"--drafter-lm-head {b['drafter_lm_head']} --drafter-context {b['drafter_context']}")
 
 
 def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
-    """(d2t [N] int64 or None, the manifest's ``draft_vocab`` entry or None, layer weight format).
+    """(d2t [N] int64 or None, the manifest's ``draft_vocab`` entry or None, layer weight format, the manifest's
+    ``drafter_context_window`` or None).
 
     Raises:
         ConfigError: a draft vocabulary was asked for without a ranking, or a bad size or ranking file.
@@ -417,9 +451,13 @@ def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
     size = str(cfg.draft_vocab)
     if size == "auto":
         size = str(SHIPPED_DRAFTER_BUILD["draft_vocab"]) if is_shipped else "full"
+    context = cfg.drafter_context
+    if context == "auto":
+        context = SHIPPED_DRAFTER_BUILD["drafter_context"] if is_shipped else "full"
+    window = parse_drafter_context(context)
     vocab = int(inputs.drafter.config.vocab_size)
     if size == "full" or int(size) == vocab and cfg.draft_vocab_from is None:
-        return None, None, weights
+        return None, None, weights, window
     source = cfg.draft_vocab_from or (Path(folder) / DRAFT_VOCAB_FILE if folder else None)
     if source is None:
         raise ConfigError(f"draft_vocab {size}: this drafter has no folder to hold {DRAFT_VOCAB_FILE}; pass "
@@ -428,7 +466,7 @@ def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
     d2t = select_d2t(ranking["ranking"], int(size), vocab)
     info = {"size": int(len(d2t)), "d2t": d2t.tolist(), "method": ranking.get("method"), "source": str(source),
             "records": ranking.get("records"), "tokens_counted": ranking.get("tokens_counted")}
-    return d2t, info, weights
+    return d2t, info, weights, window
 
 
 def _export_graphs(inputs, graph_dir: Path, drafter_lm_head: str, weights: str = "fp32", d2t=None,

@@ -376,10 +376,12 @@ def test_imported_and_untrained_drafters_draft_exactly_by_default(tmp_path):
     (tmp_path / "imported").mkdir()
     write_ranking(tmp_path / "imported" / "draft_vocab.json", ranking_object(np.arange(256), [2], "t", 1))
     for path in (str(tmp_path / "imported"), None):  # a ranking beside an import is not used unless asked
-        assert _drafter_choices(cfg, _inputs(path, 256)) == (None, None, "float32")
-    d2t, info, weights = _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="16", drafter_weights="int4"),
-                                          _inputs(str(tmp_path / "imported"), 256))
+        assert _drafter_choices(cfg, _inputs(path, 256)) == (None, None, "float32", None)
+    d2t, info, weights, window = _drafter_choices(
+        BuildConfig(out=tmp_path / "x", draft_vocab="16", drafter_weights="int4", drafter_context="0,8"),
+        _inputs(str(tmp_path / "imported"), 256))
     assert len(d2t) == 16 and info["size"] == 16 and weights == "int4" and 2 in d2t
+    assert window == {"sink": 0, "recent": 8}
     with pytest.raises(ConfigError, match="--draft-vocab-from"):
         _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="16"), _inputs(None, 256))
     for bad in ("0", "-3", "lots"):
@@ -387,6 +389,9 @@ def test_imported_and_untrained_drafters_draft_exactly_by_default(tmp_path):
             BuildConfig(out=tmp_path / "x", draft_vocab=bad)
     with pytest.raises(ConfigError, match="drafter_weights"):
         BuildConfig(out=tmp_path / "x", drafter_weights="int2")
+    for bad in ("32", "4,0", "4,-2", "a,b", "4,32,1", ""):
+        with pytest.raises(ConfigError, match=r"drafter_context: expected 'auto', 'full' or SINK,RECENT .*found"):
+            BuildConfig(out=tmp_path / "x", drafter_context=bad)
     with pytest.raises(ConfigError, match=r"1 <= N <= vocab_size = 256"):
         _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="300"), _inputs(str(tmp_path / "imported"), 256))
 
@@ -396,16 +401,17 @@ def test_shipped_drafter_uses_its_committed_choice(tmp_path):
     from dspark_export.pipeline import SHIPPED_DRAFTER_BUILD, BuildConfig, _drafter_choices
 
     shipped = shipped_drafter_path("")
-    d2t, info, weights = _drafter_choices(BuildConfig(out=tmp_path / "x"), _inputs(str(shipped)))
+    d2t, info, weights, window = _drafter_choices(BuildConfig(out=tmp_path / "x"), _inputs(str(shipped)))
     size = SHIPPED_DRAFTER_BUILD["draft_vocab"]
     assert weights == SHIPPED_DRAFTER_BUILD["drafter_weights"]
+    assert f"{window['sink']},{window['recent']}" == SHIPPED_DRAFTER_BUILD["drafter_context"]
     if size == "full":
         assert d2t is None and info is None
     else:
         assert len(d2t) == size == info["size"] and info["source"].endswith("draft_vocab.json")
-    d2t, info, weights = _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="full", drafter_weights="float32"),
-                                          _inputs(str(shipped)))
-    assert (d2t, info, weights) == (None, None, "float32")
+    choices = _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="full", drafter_weights="float32",
+                                           drafter_context="full"), _inputs(str(shipped)))
+    assert choices == (None, None, "float32", None)
 
 
 @pytest.mark.real_model

@@ -18,7 +18,7 @@ drafter_block.onnx (R requests, γ = block size, P context cache length):
 | --- | --- | --- | --- |
 | in `anchor_ids` | [R] | int64 | last committed token (slot 0 input) |
 | in `start_positions` | [R] | int64 | absolute position of the anchor |
-| in `context_lens` | [R] | int64 | valid context entries (== start_positions) |
+| in `context_lens` | [R] | int64 | valid context entries (== start_positions; fewer with a context window) |
 | in `context_key.{l}` | [R, kvH, P, D] | float32 | drafter context key cache |
 | in `context_value.{l}` | [R, kvH, P, D] | float32 | drafter context value cache |
 | in `temperature` | [R] | float32 | 0 = greedy |

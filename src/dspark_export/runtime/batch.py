@@ -48,7 +48,8 @@ class RequestState:
     cancelled: bool = False
     t0: float = field(default_factory=time.perf_counter)
     # drafter-context backlog: tapped features [n, F] float32 and positions [n] int64 of committed rows
-    # not yet run through `drafter_context` (draft_kv.lens + backlog_rows == target_kv.lens)
+    # not yet run through `drafter_context` (draft_kv.lens + backlog_rows == target_kv.lens without a drafter
+    # context window; with one, draft_kv.lens counts only the rows its flushes kept)
     backlog: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     backlog_rows: int = 0     # rows in `backlog`, kept by `add_backlog` / `clear_backlog` (read every step)
     drafted_at: int = 0       # the generator's draft clock when a step last drafted for it (0: never)

@@ -24,7 +24,42 @@ from . import faults
 from .batch import Batch, RequestState
 from .kv_cache import layer_names
 
-__all__ = ["EngineStages", "Round", "Commit"]
+__all__ = ["EngineStages", "Round", "Commit", "ContextWindow"]
+
+
+@dataclass(frozen=True)
+class ContextWindow:
+    """Which committed rows a drafter-context flush writes: the first `sink` positions of the request and the
+    `recent` positions just before its anchor; rows between are dropped unread. Rows flushed earlier stay in
+    the drafter cache, so the drafter reads a subset of the positions before its anchor, each key at its true
+    position (RoPE is applied at `position_ids`), and `context_lens` counts the entries, not the positions.
+
+    Why: the drafter's context is the target features of every committed row, and a prompt's rows were most of
+    what a flush ran (a request's first draft flushes its whole prompt; a dspark-async probe flushes every row
+    committed since the request's last draft). The shipped drafter drafts as well from 4 + 32 rows as from the
+    whole prompt (reports/runtime_split/s41/). Attention sinks plus a recent window: StreamingLLM (Xiao et al.,
+    2023); MagicDec (Chen et al., 2024) drafts from such a cache. Drafts only decide how fast the output comes:
+    output stays lossless.
+
+    Manifest: ``runtime.drafter_context_window`` {"sink", "recent"}; absent = every row (exact drafting).
+    """
+
+    sink: int
+    recent: int
+
+    def __post_init__(self):
+        if self.sink < 0 or self.recent < 1:
+            raise ValueError(f"ContextWindow: expected sink >= 0 and recent >= 1 rows, found sink {self.sink}, "
+                             f"recent {self.recent}")
+
+    @classmethod
+    def from_manifest(cls, entry: dict | None) -> "ContextWindow | None":
+        return None if entry is None else cls(int(entry["sink"]), int(entry["recent"]))
+
+    def keep(self, positions: np.ndarray, anchor: int | np.ndarray) -> np.ndarray:
+        """[n] bool: which rows at `positions` [n] int64 the drafter reads, for requests anchored at `anchor`
+        (a position, or one per row [n] int64)."""
+        return (positions < self.sink) | (positions >= anchor - self.recent)
 
 
 @dataclass
@@ -91,6 +126,8 @@ class EngineStages:
         vocab = engines.manifest.data.get("draft_vocab")
         # the block's draft_logits columns: ascending d2t, as the exporter orders it (ARCHITECTURE.md)
         self.d2t = np.sort(np.asarray(vocab["d2t"], np.int64)) if vocab else None
+        # the rows a flush writes (None: every committed row)
+        self.context_window = ContextWindow.from_manifest(engines.manifest.runtime.get("drafter_context_window"))
 
     def infer(self, runner, feed: dict) -> dict[str, np.ndarray]:
         """runner.infer, turning any failure into EngineRunError naming the engine."""
@@ -107,7 +144,8 @@ class EngineStages:
     def flush_context(self, rnd: Round, states: list[RequestState]) -> dict[int, int]:
         """Run the backlog of `states` through the drafter context engine and write the K/V rows into the
         drafter cache PAST each slot's valid length (`KVCache.write_stacked`); `_apply` makes them valid. A failed
-        step therefore leaves the cache as it was. Slots whose context rows come back non-finite fail.
+        step therefore leaves the cache as it was. Slots whose context rows come back non-finite fail. With a
+        `context_window`, only the rows it keeps run; the rest of the backlog is dropped with it.
 
         Returns:
             {slot: drafter context length once the step commits} for the flushed slots that did not fail
@@ -118,12 +156,18 @@ class EngineStages:
         aux = np.concatenate([a for s in states for a, _ in s.backlog])
         positions = np.concatenate([p for s in states for _, p in s.backlog])
         slots = np.concatenate([np.full(s.backlog_rows, s.slot, np.int64) for s in states])
-        keys, values = self.context_rows(aux, positions)
-        rnd.failed.update(faults.check_rows(slots, keys + values, self._engine("drafter_context")))
-        good = ~np.isin(slots, np.array(sorted(rnd.failed), np.int64))
+        if self.context_window is not None:
+            anchors = np.concatenate([np.full(s.backlog_rows, s.start, np.int64) for s in states])
+            kept = self.context_window.keep(positions, anchors)
+            aux, positions, slots = aux[kept], positions[kept], slots[kept]
         draft_kv = self.batch.draft_kv
-        draft_kv.write_stacked(slots[good], np.stack(keys + values), rows=np.flatnonzero(good))
-        return {s.slot: int(draft_kv.lens[s.slot]) + s.backlog_rows for s in states if s.slot not in rnd.failed}
+        if len(positions):
+            keys, values = self.context_rows(aux, positions)
+            rnd.failed.update(faults.check_rows(slots, keys + values, self._engine("drafter_context")))
+            good = ~np.isin(slots, np.array(sorted(rnd.failed), np.int64))
+            draft_kv.write_stacked(slots[good], np.stack(keys + values), rows=np.flatnonzero(good))
+        rows = np.bincount(slots, minlength=self.batch.num_slots)
+        return {s.slot: int(draft_kv.lens[s.slot] + rows[s.slot]) for s in states if s.slot not in rnd.failed}
 
     def context_rows(self, aux: np.ndarray, positions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Drafter context K/V [n, kvH, D] per drafter layer for committed rows aux [n, F] at `positions`."""
