@@ -49,19 +49,16 @@ def test_shared_session_outputs_equal_per_bucket_sessions(engine_dir, graph, buc
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def test_shared_sessions_pad_rows_to_the_step_not_the_bucket(engine_dir):
-    """A shared session runs any row count, so a feed pads to ROW_STEP rows within its bucket; per-bucket
-    sessions keep their fixed bucket (the greedy test below compares the two end to end)."""
-    from dspark_export.engines.ort.runner import ROW_STEP
-
+def test_shared_sessions_run_the_rows_they_are_given_not_the_bucket(engine_dir):
+    """A shared session runs any row count, so a feed keeps its own row count; per-bucket sessions keep their
+    fixed bucket (the greedy test below compares the two end to end)."""
     packed = EngineSet.open(engine_dir, verify=False)
     plain = EngineSet.open(engine_dir, verify=False, prepack=False)
     top = packed.buckets("target")[-1]
-    assert top > ROW_STEP
-    assert packed.runner_exact("target", top).padded_rows(ROW_STEP + 1) == 2 * ROW_STEP
-    assert packed.runner_exact("target", top).padded_rows(top) == top
-    assert packed.runner_exact("target", 1).padded_rows(1) == 1
-    assert plain.runner_exact("target", top).padded_rows(ROW_STEP + 1) == top
+    assert top > 9
+    assert [packed.runner("target", n).padded_rows(n) for n in (1, 3, 5, 9, top - 1, top)] == [1, 3, 5, 9, top - 1, top]
+    assert packed.runner_exact("target", top).padded_rows(0) == 1
+    assert plain.runner_exact("target", top).padded_rows(9) == top
 
 
 def test_greedy_output_is_the_same_with_and_without_prepacking(engine_dir):

@@ -98,7 +98,10 @@ def test_unknown_letter_and_bad_context_are_refused(engine_dir):
 
 def test_runtime_feeds_lie_inside_the_profiles(engine_dir, plan, monkeypatch):
     """Every feed the ONNX Runtime runtime makes (prefill chunks, ragged verification, several slots) fits the
-    TensorRT profile of the engine it went to: same letters across inputs, each size within min..max."""
+    TensorRT profile of the engine it went to: same letters across inputs, each size within min..max. The feeds
+    are padded to their bucket, as for a TensorRT engine (`EngineRunner.padded_rows`; ONNX Runtime's shared sessions
+    run a feed's own row count)."""
+    from dspark_export.engines.runner import EngineRunner
     from dspark_export.runtime.api import Runtime
     from dspark_export.runtime.request import SamplingParams
 
@@ -119,6 +122,7 @@ def test_runtime_feeds_lie_inside_the_profiles(engine_dir, plan, monkeypatch):
         return original(self, feed)
 
     monkeypatch.setattr(OrtRunner, "infer", recording)
+    monkeypatch.setattr(OrtRunner, "padded_rows", EngineRunner.padded_rows)
     rt = Runtime.open(engine_dir, policy="fixed:4")
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 20)]
     params = [SamplingParams(max_new_tokens=9, temperature=t, seed=1) for t in (0.0, 0.8, 0.0)]

@@ -268,3 +268,27 @@ def test_vectorised_cap_search_equals_the_loop(seed):
         R = int(rng.integers(1, 17))
         for draft_at_zero in (False, True):
             assert _best_plan(a, R, p, draft_at_zero, 16) == _best_plan_loop(a, R, p, draft_at_zero, 16)
+
+
+def test_exact_rows_interpolate_between_buckets_and_never_exceed_the_staircase():
+    """With exact rows a B between buckets costs the latency interpolated between theirs (10 ms at 8, 18 ms at
+    16: B = 12 costs 14 ms, not 18); at a bucket, and without exact rows, the staircase's; a larger bucket that
+    ran faster still wins; beyond the largest bucket nothing runs."""
+    sps = (1000 / 4.0, 1000 / 10.0, 1000 / 18.0, 1000 / 17.0)   # buckets 4, 8, 16, 32 (32 ran faster than 16)
+    stair = ThroughputProfile((4, 8, 16, 32), sps)
+    exact = ThroughputProfile((4, 8, 16, 32), sps, exact_rows=True)
+    np.testing.assert_allclose(exact.step_seconds([1, 4, 6, 8, 12, 16, 24]) * 1e3, [4, 4, 7, 10, 14, 17, 17])
+    np.testing.assert_allclose(stair.step_seconds([1, 4, 6, 8, 12, 16, 24]) * 1e3, [4, 4, 10, 10, 17, 17, 17])
+    assert exact.sps(12) == pytest.approx(1000 / 14.0) and stair.sps(12) == pytest.approx(1000 / 17.0)
+    np.testing.assert_allclose(exact.sps_range(5, 3), 1000 / np.array([5.5, 7.0, 8.5]))
+    assert exact.sps(33) == 0 and np.isinf(exact.step_seconds([33])[0]) and exact.sps(-1) == exact.sps(0)
+    assert exact.at(4, 256).exact_rows and exact != stair
+
+
+def test_the_generator_prices_exact_rows_where_its_engines_run_them(engine_dir):  # noqa: F811
+    from dspark_export.engines.engine_set import EngineSet
+    from dspark_export.runtime.generator import Generator
+    for prepack in (True, False):     # shared sessions run a feed's own rows; per-bucket sessions their bucket
+        engines = EngineSet.open(engine_dir, verify=False, prepack=prepack)
+        assert engines.runs_exact_rows("target") is prepack
+        assert Generator(engines, parse_policy("dspark")).profile.exact_rows is prepack

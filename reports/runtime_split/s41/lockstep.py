@@ -43,7 +43,7 @@ _lens = np.random.default_rng(0).integers(int(64 * (1 - SPREAD)), int(64 * (1 + 
 
 
 def make(name: str) -> Generator:
-    g = Generator(rt.engines, parse_policy(name.split("-never")[0].split("-oracle")[0].split("-nostage")[0].split("-limit")[0].split("-split")[0].split("-eager")[0].split("-x")[0].split("-margin")[0].split("-noskip")[0].split("-hyst")[0].split("-spread")[0].split("-win")[0].split("-full")[0]))
+    g = Generator(rt.engines, parse_policy(name.split("-never")[0].split("-oracle")[0].split("-nostage")[0].split("-limit")[0].split("-split")[0].split("-eager")[0].split("-x")[0].split("-margin")[0].split("-noskip")[0].split("-hyst")[0].split("-spread")[0].split("-win")[0].split("-full")[0].split("-noobs")[0].split("-slow")[0].split("-stair")[0]))
     if "-never" in name:
         g.controller.draft_count = lambda R, S, p: 0
     if "-nostage" in name:
@@ -77,6 +77,13 @@ def make(name: str) -> Generator:
     if "-win" in name:   # -winS_R: a drafter context window of S sink + R recent rows
         from dspark_export.runtime.stages import ContextWindow
         g.stages.context_window = ContextWindow(*map(int, name.split("-win")[1].split("-")[0].split("_")))
+    if "-slow" in name:   # the profile as if measured on a host twice as slow for the target, 1.1x for the drafter
+        g.profile = g.profile.scaled(2.0, 1.1)
+    if "-stair" in name:  # price a B between buckets at its bucket's latency (the staircase), not interpolated
+        from dataclasses import replace as _replace
+        g.profile = _replace(g.profile, exact_rows=False)
+    if "-noobs" in name:  # price with the profile as measured (no ObservedCost scaling)
+        g.controller.cost.observe = lambda *a, **k: None
     if "-full" in name:  # the whole drafter context, whatever the manifest says
         g.stages.context_window = None
     if "-eager" in name:

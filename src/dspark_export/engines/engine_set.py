@@ -147,6 +147,13 @@ class EngineSet:
             return min(buckets[i:], key=lambda b: (latency[b], b))
         return buckets[i]
 
+    def runs_exact_rows(self, graph: str) -> bool:
+        """Whether `graph`'s engines run a feed's own row count rather than its bucket's (`OrtRunner.padded_rows`
+        on a shared session): the policies then price a B between buckets by interpolation
+        (`ThroughputProfile.exact_rows`)."""
+        b = self._buckets.get(graph)
+        return bool(b) and b[-1] > 1 and self.runner_exact(graph, b[-1]).padded_rows(b[-1] - 1) < b[-1]
+
     def ragged_attention(self, graph: str) -> bool:
         """Whether `graph`'s attention is `dspark.cpu::RaggedAttention` (ONNX Runtime engines of a graph built
         with `build --attention-kernel cpu`): it reads each request's live cache entries and its own packed rows

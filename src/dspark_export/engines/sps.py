@@ -61,6 +61,11 @@ class ThroughputProfile:
     SPS(B) alone prices alike (reports/measurement_history.md, "layout cost";
     `scripts/bench_layout_cost.py` measures it).
 
+    Exact rows (optional, `exact_rows`): where the engines run a pass's own row count rather than its bucket's
+    (`EngineSet.runs_exact_rows`: ONNX Runtime's shared sessions), a B between two buckets b_i < B < b_j costs
+    the latency interpolated linearly between theirs, at most the staircase's (the pass costs about linearly in
+    rows: 7.0 / 7.8 / 11.9 ms for 8 / 9 / 16 rows at R = 4, reports/runtime_split/s41/).
+
     Args:
         buckets: bucket sizes B in tokens, strictly increasing, each ≥ 1.
         steps_per_s: SPS of each bucket in steps/s, each > 0 and finite.
@@ -71,6 +76,7 @@ class ThroughputProfile:
         profiled_layout: (S_b, Q_b, P_b) each bucket was timed at, one per bucket, each ≥ 1 (optional).
         num_slots: S of the runtime's step, or None (then no layout cost; see `at`).
         kv_capacity: P, the key entries per slot the runtime's step attends (`KVCache.attended`), or None.
+        exact_rows: price a B between buckets by interpolation (above) instead of its bucket's latency.
     Raises:
         ProfileError: empty table, unsorted or duplicate buckets, non-positive SPS, length mismatch,
             negative or non-finite layout coefficients, a layout row per bucket missing or below 1.
@@ -85,6 +91,7 @@ class ThroughputProfile:
     profiled_layout: tuple[tuple[int, int, int], ...] = ()
     num_slots: int | None = None
     kv_capacity: int | None = None
+    exact_rows: bool = False
     _b: np.ndarray = field(init=False, repr=False, compare=False)
     _s: np.ndarray = field(init=False, repr=False, compare=False)
     _dense: np.ndarray = field(init=False, repr=False, compare=False)
@@ -118,7 +125,11 @@ class ThroughputProfile:
         object.__setattr__(self, "_s", np.append(np.maximum.accumulate(s[::-1])[::-1], 0.0))
         # SPS for every B = 0..max+1 (the last entry, 0, stands for every B beyond the largest bucket), so
         # the scheduler reads SPS(R..R+n) as one slice instead of a search per step.
-        object.__setattr__(self, "_dense", self._s[np.searchsorted(b, np.arange(b[-1] + 2), side="left")])
+        dense = self._s[np.searchsorted(b, np.arange(b[-1] + 2), side="left")]
+        if self.exact_rows and b.size > 1:   # latency interpolated between buckets, never above the staircase
+            latency = np.interp(np.arange(b[-1] + 1), b, 1.0 / s)
+            dense[b[0]:-1] = np.maximum(dense[b[0]:-1], 1.0 / latency[b[0]:])
+        object.__setattr__(self, "_dense", dense)
         object.__setattr__(self, "_draft_r", d_r)
         # the bucket that runs each B = 0..max+1: the fastest at or above it (index len(b) beyond the largest)
         best = np.empty(b.size + 1, np.int64)
@@ -143,9 +154,10 @@ class ThroughputProfile:
         object.__setattr__(self, "_layout", layout)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], use_drafter: bool = True) -> "ThroughputProfile":
+    def from_json(cls, data: Mapping[str, Any], use_drafter: bool = True, exact_rows: bool = False) -> "ThroughputProfile":
         """Build from the sps.json object: its `target` rows {"B", "median_ms", "p10_ms", "p90_ms", "sps"}
-        and, with `use_drafter`, its `drafter_block` rows {"R", "median_ms", ...} (the drafter cost).
+        and, with `use_drafter`, its `drafter_block` rows {"R", "median_ms", ...} (the drafter cost);
+        `exact_rows` as the class's field.
 
         Raises:
             ProfileError: no `target` rows, a row without integer `B` or numeric `sps`.
@@ -186,7 +198,7 @@ class ThroughputProfile:
                                f"'median_ms' ({e!r})") from e
         extra = {"attention_ms": c_a, "kv_read_ms": c_kv, "profiled_layout": layout} if fit else {}
         return cls(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs),
-                   tuple(p[0] for p in dpairs), tuple(p[1] for p in dpairs), **extra)
+                   tuple(p[0] for p in dpairs), tuple(p[1] for p in dpairs), **extra, exact_rows=exact_rows)
 
     def at(self, num_slots: int, kv_capacity: int) -> "ThroughputProfile":
         """This profile bound to a step layout: S slots (the rows of the KV buffer the target pass reads)
@@ -214,7 +226,8 @@ class ThroughputProfile:
         idx = self._dense_idx[tokens]
         runs = idx < len(self.buckets)
         i = np.minimum(idx, len(self.buckets) - 1)
-        base = np.where(runs, 1.0 / np.asarray(self.steps_per_s)[i], np.inf)
+        with np.errstate(divide="ignore"):
+            base = np.where(runs, 1.0 / self._dense[tokens], np.inf)
         if widths is None or not self.has_layout_cost:
             return base
         S, P = self.num_slots, self.kv_capacity
@@ -249,7 +262,7 @@ class ThroughputProfile:
         Returns:
             float, or [n] float64 array, in steps/s.
         """
-        out = self._s[np.searchsorted(self._b, num_tokens, side="left")]
+        out = self._dense[np.clip(np.asarray(num_tokens, np.int64), 0, self._dense.size - 1)]
         return float(out) if np.ndim(out) == 0 else out
 
     def sps_range(self, first: int, count: int) -> np.ndarray:
@@ -319,10 +332,10 @@ class SpsFile:
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"{self.path}: unreadable throughput profile ({e!r})") from e
 
-    def throughput(self, use_drafter: bool = True) -> ThroughputProfile:
+    def throughput(self, use_drafter: bool = True, exact_rows: bool = False) -> ThroughputProfile:
         """The SPS(B) table (``ThroughputProfile.from_json``); errors name this file."""
         try:
-            return ThroughputProfile.from_json(self.data, use_drafter)
+            return ThroughputProfile.from_json(self.data, use_drafter, exact_rows)
         except ProfileError as e:
             raise ProfileError(f"{self.path}: {e}") from e
 

@@ -55,7 +55,7 @@ def _load_profile(engines: EngineSet) -> ThroughputProfile:
     if path is None:
         raise EngineDirError(f"{manifest.root}: manifest has no profile; run `dspark-export profile`")
     try:
-        return read_sps(path).throughput()
+        return read_sps(path).throughput(exact_rows=engines.runs_exact_rows("target"))
     except ProfileError as e:
         raise EngineDirError(str(e)) from e
 

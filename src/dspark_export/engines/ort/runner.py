@@ -114,9 +114,6 @@ class WeightStore:
         return sum(a.nbytes for a in self._arrays.values())
 
 
-#: row granularity of a feed on a shared session (`OrtRunner.padded_rows`)
-ROW_STEP = 16
-
 #: graphs small enough to run on the calling thread (no intra-op pool, nothing left spinning)
 SINGLE_THREAD_GRAPHS = ("drafter_context", "verify")
 
@@ -307,14 +304,15 @@ class OrtRunner(EngineRunner):
         return self
 
     def padded_rows(self, rows: int) -> int:
-        """On a shared session (no free-dimension override: any row count runs), `rows` rounded up to a
-        multiple of ROW_STEP, at most the bucket: a 140-row prefill pass runs 144 rows, not 256. Padding rows
-        are inert (engines.packing), so real rows' outputs do not change; only the waste does (int4 passes
-        cost about linearly in rows there). A per-bucket session keeps its bucket."""
+        """On a shared session (no free-dimension override: any row count runs), `rows` itself (at least 1, at
+        most the bucket): a 9-row verification runs 9 rows, not 16, and a 130-row prefill 130, not 256. Why:
+        the int4 pass costs about linearly in rows (R = 4 requests at 200 cached keys: 7.0 ms for 8 rows, 7.8
+        for 9, 11.9 for 16; reports/runtime_split/s41/), and padding rows are inert (engines.packing), so real
+        rows' outputs do not change. A per-bucket session keeps its bucket."""
         bucket = super().padded_rows(rows)
         if self.shared is None:
             return bucket
-        return min(bucket, -(-max(int(rows), 1) // ROW_STEP) * ROW_STEP)
+        return min(bucket, max(int(rows), 1))
 
     def deactivate(self) -> None:
         if self.session is not None and self.shared is not None:
