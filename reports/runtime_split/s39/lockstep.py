@@ -8,7 +8,9 @@ largest size first (a relayout into fresh pages cost up to 0.4 s a run: first to
 
 Variants: any policy (ar, dspark, dspark-async, fixed:K), with suffixes (session 39 added -oracle: draft for the
 gsm8k requests only; -noskip: dspark-async without its skip rule; -marginM / -hystM: the skip rule at margin M,
-or M only while drafting; -spread: this variant's requests get 32-96 new tokens; env SPREAD=f: every variant's
+or M only while drafting; session 41 added -winS_R: a drafter context window of S + R rows, -full: none, -stair:
+staircase pricing, and with reports/runtime_split/s41/observed-cost.patch applied -slow (a slow-host profile) and
+-noobs (no observed-latency scaling); -spread: this variant's requests get 32-96 new tokens; env SPREAD=f: every variant's
 get 64·(1±f)): -split (the old `split_passes`: prefill chunks in passes of their
 own, query-width cache room), -never (dspark-async that never drafts), -nostage (no drafter-context backlog
 either), -limitN (the drafter-context backlog flushed at N rows instead of the largest context bucket), -eager (the slot count shrinks at the end of the step that freed the slots, not at the next step). Prints per round each variant's steady-window tokens / Σ step wall and its ratio to the first variant,
@@ -43,7 +45,7 @@ _lens = np.random.default_rng(0).integers(int(64 * (1 - SPREAD)), int(64 * (1 + 
 
 
 def make(name: str) -> Generator:
-    g = Generator(rt.engines, parse_policy(name.split("-never")[0].split("-oracle")[0].split("-nostage")[0].split("-limit")[0].split("-split")[0].split("-eager")[0].split("-x")[0].split("-margin")[0].split("-noskip")[0].split("-hyst")[0].split("-spread")[0]))
+    g = Generator(rt.engines, parse_policy(name.split("-never")[0].split("-oracle")[0].split("-nostage")[0].split("-limit")[0].split("-split")[0].split("-eager")[0].split("-x")[0].split("-margin")[0].split("-noskip")[0].split("-hyst")[0].split("-spread")[0].split("-win")[0].split("-full")[0].split("-noobs")[0].split("-slow")[0].split("-stair")[0]))
     if "-never" in name:
         g.controller.draft_count = lambda R, S, p: 0
     if "-nostage" in name:
@@ -74,6 +76,18 @@ def make(name: str) -> Generator:
         def dc(R, S, p, g=g):
             return sum(1 for s in g.batch.active() if s.decoding and getattr(s, "math", False))
         g.controller.draft_count = dc
+    if "-win" in name:   # -winS_R: a drafter context window of S sink + R recent rows
+        from dspark_export.runtime.stages import ContextWindow
+        g.stages.context_window = ContextWindow(*map(int, name.split("-win")[1].split("-")[0].split("_")))
+    if "-slow" in name:   # the profile as if measured on a host twice as slow for the target, 1.1x for the drafter
+        g.profile = g.profile.scaled(2.0, 1.1)
+    if "-stair" in name:  # price a B between buckets at its bucket's latency (the staircase), not interpolated
+        from dataclasses import replace as _replace
+        g.profile = _replace(g.profile, exact_rows=False)
+    if "-noobs" in name:  # price with the profile as measured (no ObservedCost scaling)
+        g.controller.cost.observe = lambda *a, **k: None
+    if "-full" in name:  # the whole drafter context, whatever the manifest says
+        g.stages.context_window = None
     if "-eager" in name:
         release = g.batch.release_finished
         g.batch.release_finished = lambda resize=True: release(True)
