@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dspark_export.errors import EngineDirError
 from dspark_export.runtime.generator import Generator
 from dspark_export.runtime.policies import parse_policy
 from dspark_export.runtime.request import SamplingParams
@@ -28,6 +29,9 @@ def test_keep_reads_the_sinks_and_the_rows_before_the_anchor():
     for sink, recent in ((-1, 4), (4, 0)):
         with pytest.raises(ValueError, match="expected sink >= 0 and recent >= 1 rows"):
             ContextWindow(sink, recent)
+    for bad in ({"sink": 4}, {"sink": 4, "recent": 0}, {"sink": "a", "recent": 3}, [4, 32]):
+        with pytest.raises(EngineDirError, match=r"runtime.drafter_context_window: expected .*found"):
+            ContextWindow.from_manifest(bad)
 
 
 def _first_draft(rt, window):

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..engines.engine_set import EngineSet
 from ..engines.packing import PackedBatch, Segment, pack_segments
-from ..errors import EngineRunError
+from ..errors import EngineDirError, EngineRunError
 from ..plugins.markov_draft.schema import scatter_draft_logits
 from . import faults
 from .batch import Batch, RequestState
@@ -54,7 +54,18 @@ class ContextWindow:
 
     @classmethod
     def from_manifest(cls, entry: dict | None) -> "ContextWindow | None":
-        return None if entry is None else cls(int(entry["sink"]), int(entry["recent"]))
+        """The window of a manifest's ``runtime.drafter_context_window`` (None when absent).
+
+        Raises:
+            EngineDirError: an entry without integer sink >= 0 and recent >= 1.
+        """
+        if entry is None:
+            return None
+        try:
+            return cls(int(entry["sink"]), int(entry["recent"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise EngineDirError(f"manifest runtime.drafter_context_window: expected {{'sink': int >= 0, 'recent': "
+                                 f"int >= 1}}, found {entry!r} ({e})") from e
 
     def keep(self, positions: np.ndarray, anchor: int | np.ndarray) -> np.ndarray:
         """[n] bool: which rows at `positions` [n] int64 the drafter reads, for requests anchored at `anchor`
