@@ -121,9 +121,9 @@ def _parser() -> argparse.ArgumentParser:
                         "per-row int8 activations; all row-local): auto = the shipped "
                         "drafter's measured format, float32 (exact drafting) for any other drafter")
     b.add_argument("--drafter-context", default="auto", metavar="auto|full|SINK,RECENT",
-                   help="the committed rows the drafter reads before each draft: the first SINK and the last RECENT "
-                        "(e.g. 4,32: cheaper context flushes, bounded drafter cache), or full; auto = the shipped "
-                        "drafter's measured window, full (exact drafting) for any other drafter")
+                   help="the committed rows a drafter-context flush writes: a request's first SINK and the RECENT "
+                        "before its draft (e.g. 4,32: a long prompt's middle is skipped, flushes cost less), or full; "
+                        "auto = the shipped drafter's measured window, full (exact drafting) for any other drafter")
     b.add_argument("--int4-kernel", choices=("w4a8", "matmulnbits"), default="w4a8",
                    help="kernel of the int4 linear layers: w4a8 = dspark.cpu::MatMulW4A8 (default; same "
                         "arithmetic as MatMulNBits, cheap verification rows; compiled with the system C++ "

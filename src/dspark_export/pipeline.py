@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -82,26 +83,28 @@ def drafter_approximations(lm_head: str, draft_vocab: int | None = None,
                     "effect": f"{kind}: drafts can differ (output stays lossless; acceptance can differ)"})
     if context_window is not None:
         out.append({"name": "drafter_context", "value": f"{context_window['sink']},{context_window['recent']}",
-                    "effect": f"the drafter reads the first {context_window['sink']} and the last "
-                              f"{context_window['recent']} rows before each draft, not the whole context (output "
-                              "stays lossless; acceptance can differ)"})
+                    "effect": f"a drafter-context flush writes only a request's first {context_window['sink']} rows "
+                              f"and the {context_window['recent']} before its draft, so the middle of a long prompt "
+                              "(or of a long undrafted stretch) is never read (output stays lossless; acceptance "
+                              "can differ)"})
     return out
 
 
-def parse_drafter_context(choice: str) -> dict | None:
+def parse_drafter_context(choice: str, max_context: int) -> dict | None:
     """`build --drafter-context` as the manifest's ``runtime.drafter_context_window``: "full" → None (every
-    committed row), "SINK,RECENT" → {"sink", "recent"} (`runtime.stages.ContextWindow`). "auto" is resolved
-    by `_drafter_choices` first.
+    committed row), "SINK,RECENT" → {"sink", "recent"} (`runtime.stages.ContextWindow`), each at most
+    `max_context`. "auto" is resolved by `_drafter_choices` first.
 
     Raises:
         ConfigError: anything else, naming what was found.
     """
     if choice == "full":
         return None
-    parts = str(choice).split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[1]) < 1:
-        raise ConfigError(f"drafter_context: expected 'auto', 'full' or SINK,RECENT rows (integers, RECENT >= 1, "
-                          f"e.g. 4,32), found {choice!r}")
+    parts = [p.strip() for p in str(choice).split(",")]
+    if len(parts) != 2 or not all(re.fullmatch(r"[0-9]+", p) for p in parts) or int(parts[1]) < 1 \
+            or max(int(p) for p in parts) > max_context:
+        raise ConfigError(f"drafter_context: expected 'auto', 'full' or SINK,RECENT rows (integers, 0 <= SINK and "
+                          f"1 <= RECENT, each at most max_context {max_context}; e.g. 4,32), found {choice!r}")
     return {"sink": int(parts[0]), "recent": int(parts[1])}
 
 
@@ -190,7 +193,7 @@ class BuildConfig:
             raise ConfigError(f"draft_vocab: expected 'auto', 'full' or a positive number of tokens, found "
                               f"{self.draft_vocab!r}")
         if self.drafter_context != "auto":
-            parse_drafter_context(self.drafter_context)   # raises ConfigError naming what was found
+            parse_drafter_context(self.drafter_context, self.max_context)   # raises ConfigError naming it
         for name, choices in (("drafter_weights", ("auto", *LAYER_WEIGHTS)), ("int4_kernel", matmul_w4a8.INT4_KERNELS),
                               ("attention_kernel", ATTENTION_KERNELS), ("markov_draft_kernel", MARKOV_DRAFT_KERNELS)):
             if getattr(self, name) not in choices:
@@ -454,7 +457,7 @@ def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
     context = cfg.drafter_context
     if context == "auto":
         context = SHIPPED_DRAFTER_BUILD["drafter_context"] if is_shipped else "full"
-    window = parse_drafter_context(context)
+    window = parse_drafter_context(context, cfg.max_context)
     vocab = int(inputs.drafter.config.vocab_size)
     if size == "full" or int(size) == vocab and cfg.draft_vocab_from is None:
         return None, None, weights, window

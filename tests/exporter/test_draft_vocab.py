@@ -389,9 +389,10 @@ def test_imported_and_untrained_drafters_draft_exactly_by_default(tmp_path):
             BuildConfig(out=tmp_path / "x", draft_vocab=bad)
     with pytest.raises(ConfigError, match="drafter_weights"):
         BuildConfig(out=tmp_path / "x", drafter_weights="int2")
-    for bad in ("32", "4,0", "4,-2", "a,b", "4,32,1", ""):
+    for bad in ("32", "4,0", "4,-2", "a,b", "4,32,1", "", "\u00b2,3", "\uff14,32", "4,99999999999999999999", "4,4097"):
         with pytest.raises(ConfigError, match=r"drafter_context: expected 'auto', 'full' or SINK,RECENT .*found"):
-            BuildConfig(out=tmp_path / "x", drafter_context=bad)
+            BuildConfig(out=tmp_path / "x", drafter_context=bad, max_context=4096)
+    assert BuildConfig(out=tmp_path / "x", drafter_context=" 4, 4096", max_context=4096).drafter_context == " 4, 4096"
     with pytest.raises(ConfigError, match=r"1 <= N <= vocab_size = 256"):
         _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="300"), _inputs(str(tmp_path / "imported"), 256))
 

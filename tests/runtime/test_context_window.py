@@ -24,14 +24,35 @@ def test_keep_reads_the_sinks_and_the_rows_before_the_anchor():
     assert np.flatnonzero(keep).tolist() == [0, 1, 7, 8, 9]
     per_row = w.keep(np.array([0, 5, 6, 2, 3]), np.array([9, 9, 9, 4, 4]))
     assert per_row.tolist() == [True, False, True, True, True]
-    assert ContextWindow.from_manifest(None) is None
-    assert ContextWindow.from_manifest({"sink": 0, "recent": 8}) == ContextWindow(0, 8)
     for sink, recent in ((-1, 4), (4, 0)):
         with pytest.raises(ValueError, match="expected sink >= 0 and recent >= 1 rows"):
             ContextWindow(sink, recent)
-    for bad in ({"sink": 4}, {"sink": 4, "recent": 0}, {"sink": "a", "recent": 3}, [4, 32]):
+
+
+@pytest.mark.parametrize("entry", [{"sink": 4}, {"sink": 4, "recent": 0}, {"sink": "4", "recent": 3},
+                                   {"sink": 4.7, "recent": 32}, {"sink": True, "recent": True}, [4, 32],
+                                   {"sink": 4, "recent": 10**30}, {"sink": 4, "recent": 32, "extra": 1}])
+def test_a_malformed_manifest_window_is_named(engine_dir, tmp_path, entry):  # noqa: F811
+    """A hand-edited runtime.drafter_context_window is refused by the runtime and by `inspect`, naming it."""
+    import json
+    import shutil
+
+    from dspark_export.engines.inspect import inspect_engine_dir
+    from dspark_export.engines.manifest import Manifest
+    from dspark_export.runtime.api import Runtime
+    copy = tmp_path / "eng"
+    shutil.copytree(engine_dir, copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    assert Manifest(copy, data).drafter_context_window is None        # the tiny build reads every row
+    data["runtime"]["drafter_context_window"] = entry
+    (copy / "manifest.json").write_text(json.dumps(data))
+    for load in (lambda: Runtime.open(copy, policy="fixed:4"), lambda: inspect_engine_dir(copy)):
         with pytest.raises(EngineDirError, match=r"runtime.drafter_context_window: expected .*found"):
-            ContextWindow.from_manifest(bad)
+            load()
+    data["runtime"]["drafter_context_window"] = {"sink": 2, "recent": 8}
+    (copy / "manifest.json").write_text(json.dumps(data))
+    assert Runtime.open(copy, policy="fixed:4").generator.stages.context_window == ContextWindow(2, 8)
+    assert "drafter context first 2 + last 8 rows" in inspect_engine_dir(copy).format_text()
 
 
 def _first_draft(rt, window):

@@ -119,7 +119,7 @@ def inspect_engine_dir(root: Path, *, trt_compat: bool = False, trt_version: int
         "graphs": {name: _graph_summary(manifest, name, model) for name, model in models.items()},
         "engines": _engines(manifest),
         "buckets": data.get("buckets", {}),
-        "runtime": data["runtime"],
+        "runtime": {**data["runtime"], "drafter_context_window": manifest.drafter_context_window},  # checked
         "profile": _profile(manifest),
         "calibration": _calibration(manifest),
         "report": data.get("report"),
@@ -423,7 +423,9 @@ def _format(report: InspectReport) -> str:
     out.append(f"  runtime  block_size {r['block_size']}, max_context {r['max_context']}, vocab {r['vocab_size']}, "
                f"eos {r['eos_token_ids']}, mask token {r.get('mask_token_id', '-')}, "
                f"chat template {'yes' if r.get('chat_template') else 'no'}, "
-               f"confidence temperature {r['confidence_temperature']}")
+               f"confidence temperature {r['confidence_temperature']}, drafter context "
+               + ("every row" if not r.get("drafter_context_window") else
+                  "first {} + last {} rows".format(*r["drafter_context_window"])))
 
     out.append("")
     out.append("graphs")

@@ -148,6 +148,25 @@ class Manifest:
     def runtime(self) -> dict:
         return self.data["runtime"]
 
+    @property
+    def drafter_context_window(self) -> tuple[int, int] | None:
+        """(sink, recent) rows of runtime.drafter_context_window (`build --drafter-context`,
+        `runtime.stages.ContextWindow`), or None when absent (the drafter reads every committed row).
+
+        Raises:
+            EngineDirError: not {"sink": integer in [0, max_context], "recent": integer in [1, max_context]}.
+        """
+        entry = self.runtime.get("drafter_context_window")
+        if entry is None:
+            return None
+        top = int(self.runtime["max_context"])
+        ok = isinstance(entry, dict) and set(entry) == {"sink", "recent"} and all(
+            type(entry[k]) is int and lo <= entry[k] <= top for k, lo in (("sink", 0), ("recent", 1)))
+        if not ok:
+            raise EngineDirError(f"{self.root / MANIFEST_NAME}: runtime.drafter_context_window: expected "
+                                 f"{{\"sink\": integer 0..{top}, \"recent\": integer 1..{top}}}, found {entry!r:.80}")
+        return entry["sink"], entry["recent"]
+
     def calibration(self) -> dict | None:
         """The drafter's calibration.json that the directory keeps (`calibration.path`; written by
         `scripts/train_drafter.py`, copied by `build`): STS temperatures, ECE, reliability bins. None when

@@ -255,7 +255,8 @@ class ThroughputProfile:
         return self.buckets[-1]
 
     def sps(self, num_tokens):
-        """SPS of the smallest bucket ≥ num_tokens (0 beyond the largest bucket).
+        """SPS(B): the fastest bucket's at or above B, or with `exact_rows` the interpolated rate (class
+        docstring); 0 beyond the largest bucket.
 
         Args:
             num_tokens: int or [n] int array of verification tokens B.

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..engines.engine_set import EngineSet
 from ..engines.packing import PackedBatch, Segment, pack_segments
-from ..errors import EngineDirError, EngineRunError
+from ..errors import EngineRunError
 from ..plugins.markov_draft.schema import scatter_draft_logits
 from . import faults
 from .batch import Batch, RequestState
@@ -41,7 +41,8 @@ class ContextWindow:
     2023); MagicDec (Chen et al., 2024) drafts from such a cache. Drafts only decide how fast the output comes:
     output stays lossless.
 
-    Manifest: ``runtime.drafter_context_window`` {"sink", "recent"}; absent = every row (exact drafting).
+    Manifest: ``runtime.drafter_context_window`` {"sink", "recent"} (`Manifest.drafter_context_window`); absent =
+    every row (exact drafting).
     """
 
     sink: int
@@ -51,21 +52,6 @@ class ContextWindow:
         if self.sink < 0 or self.recent < 1:
             raise ValueError(f"ContextWindow: expected sink >= 0 and recent >= 1 rows, found sink {self.sink}, "
                              f"recent {self.recent}")
-
-    @classmethod
-    def from_manifest(cls, entry: dict | None) -> "ContextWindow | None":
-        """The window of a manifest's ``runtime.drafter_context_window`` (None when absent).
-
-        Raises:
-            EngineDirError: an entry without integer sink >= 0 and recent >= 1.
-        """
-        if entry is None:
-            return None
-        try:
-            return cls(int(entry["sink"]), int(entry["recent"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise EngineDirError(f"manifest runtime.drafter_context_window: expected {{'sink': int >= 0, 'recent': "
-                                 f"int >= 1}}, found {entry!r} ({e})") from e
 
     def keep(self, positions: np.ndarray, anchor: int | np.ndarray) -> np.ndarray:
         """[n] bool: which rows at `positions` [n] int64 the drafter reads, for requests anchored at `anchor`
@@ -138,7 +124,8 @@ class EngineStages:
         # the block's draft_logits columns: ascending d2t, as the exporter orders it (ARCHITECTURE.md)
         self.d2t = np.sort(np.asarray(vocab["d2t"], np.int64)) if vocab else None
         # the rows a flush writes (None: every committed row)
-        self.context_window = ContextWindow.from_manifest(engines.manifest.runtime.get("drafter_context_window"))
+        window = engines.manifest.drafter_context_window
+        self.context_window = ContextWindow(*window) if window else None
 
     def infer(self, runner, feed: dict) -> dict[str, np.ndarray]:
         """runner.infer, turning any failure into EngineRunError naming the engine."""
