@@ -9,7 +9,8 @@ largest size first (a relayout into fresh pages cost up to 0.4 s a run: first to
 Variants: any policy (ar, dspark, dspark-async, fixed:K), with suffixes (session 39 added -oracle: draft for the
 gsm8k requests only; -noskip: dspark-async without its skip rule; -marginM / -hystM: the skip rule at margin M,
 or M only while drafting; session 41 added -winS_R: a drafter context window of S + R rows, -full: none, -stair:
-staircase pricing, and with reports/runtime_split/s41/observed-cost.patch applied -slow (a slow-host profile) and
+staircase pricing, -pw1: probes of one request, -nopre: no
+drafter block on steps with a prefill chunk, and with reports/runtime_split/s41/observed-cost.patch applied -slow (a slow-host profile) and
 -noobs (no observed-latency scaling); -spread: this variant's requests get 32-96 new tokens; env SPREAD=f: every variant's
 get 64·(1±f)): -split (the old `split_passes`: prefill chunks in passes of their
 own, query-width cache room), -never (dspark-async that never drafts), -nostage (no drafter-context backlog
@@ -45,7 +46,7 @@ _lens = np.random.default_rng(0).integers(int(64 * (1 - SPREAD)), int(64 * (1 + 
 
 
 def make(name: str) -> Generator:
-    g = Generator(rt.engines, parse_policy(name.split("-never")[0].split("-oracle")[0].split("-nostage")[0].split("-limit")[0].split("-split")[0].split("-eager")[0].split("-x")[0].split("-margin")[0].split("-noskip")[0].split("-hyst")[0].split("-spread")[0].split("-win")[0].split("-full")[0].split("-noobs")[0].split("-slow")[0].split("-stair")[0]))
+    g = Generator(rt.engines, parse_policy(name.split("-never")[0].split("-oracle")[0].split("-nostage")[0].split("-limit")[0].split("-split")[0].split("-eager")[0].split("-x")[0].split("-margin")[0].split("-noskip")[0].split("-hyst")[0].split("-spread")[0].split("-win")[0].split("-full")[0].split("-noobs")[0].split("-slow")[0].split("-stair")[0].split("-pw1")[0].split("-nopre")[0]))
     if "-never" in name:
         g.controller.draft_count = lambda R, S, p: 0
     if "-nostage" in name:
@@ -86,6 +87,13 @@ def make(name: str) -> Generator:
         g.profile = _replace(g.profile, exact_rows=False)
     if "-noobs" in name:  # price with the profile as measured (no ObservedCost scaling)
         g.controller.cost.observe = lambda *a, **k: None
+    if "-nopre" in name:   # no drafter block on a step that carries a prefill chunk (its decision is not counted)
+        _count = g.controller.draft_count
+        def count(R, S, p, _c=_count, _g=g):
+            return 0 if any(not s.decoding for s in _g.batch.active()) else _c(R, S, p)
+        g.controller.draft_count = count
+    if "-pw1" in name:   # probes draft for one request, not two
+        g.controller.probe_width = lambda R: min(R, 1)
     if "-full" in name:  # the whole drafter context, whatever the manifest says
         g.stages.context_window = None
     if "-eager" in name:
