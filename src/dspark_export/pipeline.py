@@ -455,8 +455,9 @@ def _drafter_choices(cfg: BuildConfig, inputs) -> tuple:
     if size == "auto":
         size = str(SHIPPED_DRAFTER_BUILD["draft_vocab"]) if is_shipped else "full"
     context = cfg.drafter_context
-    if context == "auto":
-        context = SHIPPED_DRAFTER_BUILD["drafter_context"] if is_shipped else "full"
+    if context == "auto":   # the shipped window (within a smaller context's capacity), else every row
+        shipped_window = SHIPPED_DRAFTER_BUILD["drafter_context"].split(",")
+        context = ",".join(str(min(int(v), cfg.max_context)) for v in shipped_window) if is_shipped else "full"
     window = parse_drafter_context(context, cfg.max_context)
     vocab = int(inputs.drafter.config.vocab_size)
     if size == "full" or int(size) == vocab and cfg.draft_vocab_from is None:

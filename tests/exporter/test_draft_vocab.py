@@ -410,6 +410,8 @@ def test_shipped_drafter_uses_its_committed_choice(tmp_path):
         assert d2t is None and info is None
     else:
         assert len(d2t) == size == info["size"] and info["source"].endswith("draft_vocab.json")
+    small = _drafter_choices(BuildConfig(out=tmp_path / "x", max_context=16, profile_context=8), _inputs(str(shipped)))
+    assert small[3] == {"sink": 4, "recent": 16}          # the shipped window within a 16-token context
     choices = _drafter_choices(BuildConfig(out=tmp_path / "x", draft_vocab="full", drafter_weights="float32",
                                            drafter_context="full"), _inputs(str(shipped)))
     assert choices == (None, None, "float32", None)
