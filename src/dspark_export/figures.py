@@ -70,22 +70,27 @@ def latency_figure(target_rows: list[dict], context_len: int | None) -> bytes:
     return _png(fig)
 
 
-def sps_figure(buckets, steps_per_s, every, staircase) -> bytes:
-    """SPS of each bucket (points) and the staircase SPS(B) the scheduler reads for every B (the caller
-    computes it with `engines.sps.ThroughputProfile`: the fastest bucket ≥ B).
+def sps_figure(buckets, steps_per_s, every, curve, interpolated: bool = False) -> bytes:
+    """SPS of each bucket (points) and the SPS(B) the scheduler reads for every B (the caller computes it with
+    `engines.sps.ThroughputProfile`: the fastest bucket ≥ B, a staircase, or with `interpolated` the latency
+    interpolated between buckets).
 
     Args:
         buckets, steps_per_s: [n] the measured buckets B and their SPS (steps/s).
-        every, staircase: [m] every B = 1..max bucket and SPS(B) there.
+        every, curve: [m] every B = 1..max bucket and SPS(B) there.
+        interpolated: draw the curve as a line rather than as steps.
     """
     fig = _figure(6.4, 4.0)
     ax = fig.add_subplot()
-    ax.step(every, staircase, where="post", lw=1.6, label="SPS(B) used by the scheduler")
+    if interpolated:
+        ax.plot(every, curve, lw=1.6, label="SPS(B) used by the scheduler")
+    else:
+        ax.step(every, curve, where="post", lw=1.6, label="SPS(B) used by the scheduler")
     ax.plot(buckets, steps_per_s, "o", ms=5, label="measured per bucket (1000 / median ms)")
     _log2_axis(ax, list(buckets), "verification tokens B")
     ax.set_ylabel("target steps per second")
     ax.set_ylim(bottom=0)
-    ax.set_title("Throughput profile SPS(B) (staircase)", fontsize=10)
+    ax.set_title(f"Throughput profile SPS(B) ({'interpolated' if interpolated else 'staircase'})", fontsize=10)
     ax.legend(fontsize=8)
     return _png(fig)
 

@@ -93,6 +93,9 @@ def test_build_writes_a_listed_report_and_inspect_passes(engine_dir):
     # the inlined figures are the PNG files next to the page
     assert {(engine_dir / "report" / f).read_bytes() for f in ("latency.png", "sps.png", "drafter.png",
                                                                  "reliability.png", "ece.png")} == set(images)
+    assert "SPS(B) between buckets" in html and "staircase" not in html   # ORT engines run a pass's own rows
+    assert m.data["source"]["drafter"]["approximations"] == []    # an imported checkpoint drafts exactly
+    assert "<b>Drafting:</b> exact (drafts as the checkpoint" in html
 
 
 def test_report_data_follows_the_engine_directory(engine_dir):
@@ -208,6 +211,8 @@ def test_untrained_engine_without_calibration(tiny_target_dir, tmp_path):
     assert data["calibration"]["source"] is None and data["calibration"]["calibrated"] is False
     html = (out / "report" / "index.html").read_text()
     assert "No calibration file is recorded" in html and len(_images(html)) == 3
+    approx = Manifest.load(out).data["source"]["drafter"]["approximations"]    # a fresh drafter: int8 head
+    assert approx and all(f"<code>{a['name']} = {a['value']}</code>" in html for a in approx) and "exact (" not in html
 
 
 def test_screenshot_script_checks_images(engine_dir, tmp_path):

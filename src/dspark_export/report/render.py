@@ -2,7 +2,7 @@
 figures as PNG files and the page's data as `report.json`.
 
 What it shows, from the engine directory: the engines built (graph, backend, buckets, file sizes), the
-target latency per bucket B with its p10-p90 spread and the SPS(B) staircase the scheduler reads, the
+target latency per bucket B with its p10-p90 spread and the SPS(B) curve the scheduler reads, the
 drafter latency per request count, the drafter calibration (STS temperatures, ECE per position, the
 reliability diagram when the calibration file holds its bins) and, when given, the `bench acceptance`,
 `bench serve` and `bench peers` results.
@@ -227,11 +227,12 @@ def collect(manifest: Manifest, inputs: ReportInputs | None = None) -> dict:
 
 # -- rendering ------------------------------------------------------------------------------------------
 
-def _sps_figure(target_rows: list[dict]) -> bytes:
-    """`figures.sps_figure` of the profile's target rows, the staircase as the scheduler reads it."""
-    prof = ThroughputProfile.from_json({"target": target_rows})
+def _sps_figure(target_rows: list[dict], exact_rows: bool) -> bytes:
+    """`figures.sps_figure` of the profile's target rows, SPS(B) as the scheduler reads it (`exact_rows`: ONNX
+    Runtime's shared sessions run B rows, so a B between buckets is interpolated, `ThroughputProfile.exact_rows`)."""
+    prof = ThroughputProfile.from_json({"target": target_rows}, exact_rows=exact_rows)
     every = np.arange(1, prof.max_tokens + 1)
-    return figures.sps_figure(prof.buckets, prof.steps_per_s, every, prof.sps(every))
+    return figures.sps_figure(prof.buckets, prof.steps_per_s, every, prof.sps(every), exact_rows)
 
 
 def _figures(data: dict) -> list[dict]:
@@ -253,9 +254,12 @@ def _figures(data: dict) -> list[dict]:
             "Median step latency of each target engine with a verification-shaped batch; bars span p10 to p90 "
             f"of {p.get('repeats')} timed runs after {p.get('warmup')} warm-up runs.",
             figures.latency_figure, p["target"], p.get("context_len"))
-        add("sps", "SPS(B) staircase",
-            "Steps per second of each bucket (points) and SPS(B) for every B as the scheduler reads it: the "
-            "fastest engine whose bucket holds B tokens.", _sps_figure, p["target"])
+        # ONNX Runtime target engines run on one shared session that takes any row count (`OrtRunner.padded_rows`)
+        exact = any(e["graph"] == "target" and e["backend"] == "onnxruntime" for e in data["engines"])
+        add("sps", "SPS(B) " + ("between buckets" if exact else "staircase"),
+            "Steps per second of each bucket (points) and SPS(B) for every B as the scheduler reads it: "
+            + ("a pass runs its own B rows, so a B between buckets is priced by interpolating the latency between "
+               "theirs." if exact else "the fastest engine whose bucket holds B tokens."), _sps_figure, p["target"], exact)
     if p and p["drafter_block"]:
         add("drafter", "Drafter latency vs request count",
             "Median latency of the drafter block engine per request bucket R (bars: p10 to p90).",
