@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import __version__
 from ..engines.manifest import MANIFEST_NAME, Manifest
+from ..engines.ort.runner import uses_shared_session
 from ..engines.sps import SpsFile, ThroughputProfile, profile_path, read_sps
 from ..errors import ConfigError, EngineDirError, ProfileError
 from .. import figures
@@ -103,10 +104,14 @@ def _profile(manifest: Manifest) -> dict | None:
         served = min(buckets[i:], key=lambda b: (latency[b], b))
         rows.append({"B": int(r["B"]), "median_ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
                      "sps": r["sps"], "served_by": served, "effective_sps": round(1000.0 / latency[served], 3)})
+    # whether the runtime prices B between buckets by interpolation: its target engines run a pass's own rows
+    # on ONNX Runtime's shared session (`OrtRunner.padded_rows`, `ThroughputProfile.exact_rows`)
+    exact_rows = any(k.graph == "target" and k.backend == "onnxruntime" and uses_shared_session(k)
+                     for k in manifest.engine_keys())
     return {"path": rel, "context_len": sps.get("context_len"), "warmup": sps.get("warmup"),
             "repeats": sps.get("repeats"), "layout": sps.get("layout"), "device": sps.device,
             "target": rows, "drafter_block": drafter, "attention": _attention(sps),
-            "warnings": sps.warnings}
+            "warnings": sps.warnings, "exact_rows": exact_rows}
 
 
 def _attention(sps: SpsFile) -> dict | None:
@@ -254,8 +259,7 @@ def _figures(data: dict) -> list[dict]:
             "Median step latency of each target engine with a verification-shaped batch; bars span p10 to p90 "
             f"of {p.get('repeats')} timed runs after {p.get('warmup')} warm-up runs.",
             figures.latency_figure, p["target"], p.get("context_len"))
-        # ONNX Runtime target engines run on one shared session that takes any row count (`OrtRunner.padded_rows`)
-        exact = any(e["graph"] == "target" and e["backend"] == "onnxruntime" for e in data["engines"])
+        exact = bool(p.get("exact_rows"))
         add("sps", "SPS(B) " + ("between buckets" if exact else "staircase"),
             "Steps per second of each bucket (points) and SPS(B) for every B as the scheduler reads it: "
             + ("a pass runs its own B rows, so a B between buckets is priced by interpolating the latency between "

@@ -146,7 +146,7 @@ class KVCache:
         if not all(0 <= o < old_s and 0 <= n < num_slots and 0 <= e <= min(old_c, capacity) for o, n, e in moves):
             raise ValueError(f"KV cache relayout: moves (old slot, new slot, entries) must lie within {old_s} → "
                              f"{num_slots} slots and min({old_c}, {capacity}) entries, found {moves}")
-        needed = L2 * num_slots * H * capacity * D
+        needed = self._floats(num_slots, capacity)
         fresh = needed > old.size
         arena = np.zeros(max(needed, 2 * old.size), np.float32) if fresh else old
         rows = [(((l * old_s + o) * H + h) * old_c * D, ((l * num_slots + n) * H + h) * capacity * D, e * D)
@@ -167,6 +167,10 @@ class KVCache:
                 view[:, n, :, kept[n]:] = 0.0
         self._bind(arena, (2, self.num_layers, num_slots, H, capacity, D))
         self.capacity, self.num_slots = capacity, num_slots
+
+    def _floats(self, num_slots: int, capacity: int) -> int:
+        """Floats of the layout [2, L, num_slots, kvH, capacity, D]."""
+        return 2 * self.num_layers * num_slots * self.num_kv_heads * capacity * self.head_dim
 
     def _bind(self, arena: np.ndarray, shape: tuple) -> None:
         """Make `arena` the cache's arena and its first prod(shape) floats the layout [2, L, S, kvH, C, D] that
@@ -189,8 +193,7 @@ class KVCache:
             ValueError: `num_slots` or `entries` is not an integer ≥ 0."""
         num_slots = check_count("KV cache prefault: num_slots", num_slots)
         entries = check_count("KV cache prefault: entries", entries)
-        L2, H, D = 2 * self.num_layers, self.num_kv_heads, self.head_dim
-        need = L2 * num_slots * H * aligned(min(entries, self.max_capacity)) * D
+        need = self._floats(num_slots, aligned(min(entries, self.max_capacity)))
         arena, used = self._holder[0], self._view.size
         if need > arena.size:
             grown = np.empty(need, np.float32)
